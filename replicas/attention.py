@@ -1,0 +1,62 @@
+"""Attention over the paged KV cache.
+
+The model runner describes one step with `AttentionMetadata` (built once per step, shared by every
+layer): where each new token's K/V goes (`slot_mapping`) and, per row, which cache slots form its
+context. Rows that add one token (decode) are attended in one batched call over a padded gather;
+rows that add several (prefill chunks) are attended one row at a time with a causal mask offset by
+their cached prefix."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class PrefillRow:
+    start: int  # first of this row's tokens in the flat step
+    end: int
+    context_slots: torch.Tensor | None  # cache slots of the whole context; None: no cached prefix
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot of each new token
+    decode_token_index: torch.Tensor | None  # [Bd] flat positions of the decode rows' tokens
+    decode_context_slots: torch.Tensor | None  # [Bd, Kmax] padded with slot 0
+    decode_mask: torch.Tensor | None  # [Bd, 1, 1, Kmax] True where the key is real
+    prefill_rows: tuple[PrefillRow, ...]
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [slots, Hkv, D]. Returns [T, H, D]."""
+    k_cache[meta.slot_mapping] = k
+    v_cache[meta.slot_mapping] = v
+    out = torch.empty_like(q)
+    if meta.decode_token_index is not None:
+        qd = q[meta.decode_token_index].unsqueeze(2)  # [Bd, H, 1, D]
+        kd = k_cache[meta.decode_context_slots].transpose(1, 2)  # [Bd, Hkv, Kmax, D]
+        vd = v_cache[meta.decode_context_slots].transpose(1, 2)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale,
+                                           enable_gqa=True)
+        out[meta.decode_token_index] = o.squeeze(2)
+    for row in meta.prefill_rows:
+        qp = q[row.start:row.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+        if row.context_slots is None:
+            kp = k[row.start:row.end].transpose(0, 1).unsqueeze(0)
+            vp = v[row.start:row.end].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale,
+                                               enable_gqa=True)
+        else:
+            kp = k_cache[row.context_slots].transpose(0, 1).unsqueeze(0)
+            vp = v_cache[row.context_slots].transpose(0, 1).unsqueeze(0)
+            nq, nk = qp.shape[2], kp.shape[2]
+            # query i sits at absolute position nk - nq + i and sees keys up to it
+            mask = torch.ones(nq, nk, dtype=torch.bool).tril(diagonal=nk - nq)
+            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale,
+                                               enable_gqa=True)
+        out[row.start:row.end] = o.squeeze(0).transpose(0, 1)
+    return out

@@ -1,0 +1,177 @@
+"""LLMReplica: the Ray Serve deployment that owns one Engine for one served model.
+
+`generate` is a streaming method: the ingress calls it once per request through a DeploymentHandle
+with `stream=True` and receives tuples of `TokenBatch`es, coalesced per choice, so when the ingress
+reads slower than the engine steps, one Ray hop carries several tokens. A cancelled call (the client
+went away) aborts the request and frees its KV blocks."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from ray import serve
+from tokenizers import Tokenizer
+from transformers import AutoConfig
+
+from replicas.engine import Engine, EngineConfig
+from replicas.executor import InProcessExecutor, RayExecutor
+from replicas.model_files import resolve_model_path
+from replicas.request import GenerateRequest, TokenBatch
+from replicas.worker import WorkerConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    model: str
+    max_model_len: int | None = None
+    dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    block_size: int = 16
+    kv_cache_gib: float = 0.5
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_waiting: int = 1024
+    enable_prefix_caching: bool = True
+    priority_scheduling: bool = False
+    num_threads: int = 0  # 0: every core of the node
+    shard_num_cpus: float = 0.5
+    shard_num_gpus: float = 0.0
+
+
+def eos_token_ids(path: Path, hf_config) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (hf_config.to_dict(), _read_json(path / "generation_config.json")):
+        eos = source.get("eos_token_id")
+        if eos is not None:
+            ids.update(eos if isinstance(eos, list) else [eos])
+    return frozenset(ids)
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def resolve_dtype(name: str, hf_config) -> str:
+    if name != "auto":
+        return name
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    dtype = str(dtype).removeprefix("torch.") if dtype is not None else "float32"
+    if dtype == "float16" and not torch.cuda.is_available():
+        return "bfloat16"  # fp16 matmuls are slow or missing on CPUs
+    return dtype if dtype in ("float32", "bfloat16", "float16") else "float32"
+
+
+def _tokenizer_size(path: Path) -> int | None:
+    file = path / "tokenizer.json"
+    if not file.exists():
+        return None
+    return Tokenizer.from_file(str(file)).get_vocab_size(with_added_tokens=True)
+
+
+def _coalesce(items: list[TokenBatch]) -> tuple[TokenBatch, ...]:
+    merged: dict[int, TokenBatch] = {}
+    for b in items:
+        prev = merged.get(b.choice_index)
+        if prev is None:
+            merged[b.choice_index] = b
+            continue
+        lps = None if prev.logprobs is None else prev.logprobs + (b.logprobs or ())
+        merged[b.choice_index] = TokenBatch(
+            b.choice_index, prev.token_ids + b.token_ids, lps, b.finish_reason, b.stop_reason,
+            prev.num_prompt_tokens, prev.num_cached_tokens,
+            prev.prompt_logprobs if prev.prompt_logprobs is not None else b.prompt_logprobs)
+    return tuple(merged.values())
+
+
+class LLMServer:
+    """The replica's logic, usable without Serve (tests, `bench engine`)."""
+
+    def __init__(self, config: ReplicaConfig) -> None:
+        self.config = config
+        path = resolve_model_path(config.model)
+        hf_config = AutoConfig.from_pretrained(path)
+        dtype = resolve_dtype(config.dtype, hf_config)
+        max_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
+        head_dim = (getattr(hf_config, "head_dim", None)
+                    or hf_config.hidden_size // hf_config.num_attention_heads)
+        bytes_per_token = (2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads
+                           * head_dim * torch.finfo(getattr(torch, dtype)).bits // 8)
+        num_blocks = int(config.kv_cache_gib * 2**30 // (bytes_per_token * config.block_size))
+        # never less than one full-length sequence, never more than every slot full-length
+        blocks_per_seq = -(-max_len // config.block_size)
+        num_blocks = max(blocks_per_seq, min(num_blocks, blocks_per_seq * config.max_num_seqs))
+        num_threads = config.num_threads or os.cpu_count() or 1
+        worker_config = WorkerConfig(str(path), dtype, num_blocks, config.block_size,
+                                     config.tensor_parallel_size, num_threads)
+        if config.tensor_parallel_size == 1:
+            executor = InProcessExecutor(worker_config)
+        else:
+            executor = RayExecutor(worker_config, config.shard_num_cpus, config.shard_num_gpus)
+        self.model_path = path
+        self.vocab_size = int(hf_config.vocab_size)
+        self.max_model_len = max_len
+        self.dtype = dtype
+        self.engine = Engine(
+            EngineConfig(max_len, num_blocks, config.block_size, config.max_num_seqs,
+                         config.max_num_batched_tokens, config.max_waiting,
+                         config.enable_prefix_caching, config.priority_scheduling,
+                         sampleable_vocab=_tokenizer_size(path)),
+            executor, eos_token_ids(path, hf_config))
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[tuple[TokenBatch, ...]]:
+        queue = self.engine.add(request)
+        remaining = request.n
+        try:
+            while remaining:
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                for item in items:
+                    if isinstance(item, BaseException):
+                        raise item
+                batches = _coalesce(items)  # type: ignore[arg-type]
+                remaining -= sum(b.finish_reason is not None for b in batches)
+                yield batches
+        finally:
+            if remaining:  # cancelled, or the consumer stopped early (a stop string)
+                self.engine.abort(request.request_id)
+
+    def info(self) -> dict:
+        return {"model_path": str(self.model_path), "max_model_len": self.max_model_len,
+                "vocab_size": self.vocab_size, "dtype": self.dtype,
+                "config": asdict(self.config)}
+
+    def stats(self) -> dict:
+        e = self.engine
+        return {"num_running": e.num_running, "num_waiting": e.num_waiting,
+                "kv_cache_usage": e.blocks.usage, "num_used_blocks": e.blocks.num_used_blocks,
+                **asdict(e.stats)}
+
+
+@serve.deployment(max_ongoing_requests=256, health_check_period_s=10, health_check_timeout_s=60)
+class LLMReplica:
+    def __init__(self, config: ReplicaConfig) -> None:
+        self.server = LLMServer(config)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[tuple[TokenBatch, ...]]:
+        async with contextlib.aclosing(self.server.generate(request)) as stream:
+            async for batches in stream:
+                yield batches
+
+    async def info(self) -> dict:
+        return self.server.info()
+
+    async def stats(self) -> dict:
+        return self.server.stats()
+
+    def check_health(self) -> None:
+        self.server.engine.executor.check_health()

@@ -1,0 +1,236 @@
+"""The engine: an async step loop over the scheduler, the executor and the sampler.
+
+Requests join between steps and leave the moment they finish. Each step: schedule under the token
+budget, run one batched forward (off the event loop, so new requests and outputs keep flowing), sample
+the rows whose last token is new, apply stop rules, and push each choice's new tokens to its
+request's queue as a `TokenBatch`. Knows nothing of text: token ids in, token ids out."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from replicas.executor import Executor
+from replicas.kv_cache import BlockManager
+from replicas.model_runner import RowInput, StepInput, StepOutput
+from replicas.request import (EngineError, GenerateRequest, Sequence, SequenceStatus, TokenBatch,
+                              TokenLogprob)
+from replicas.sampler import compute_logprobs, sample
+from replicas.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_model_len: int
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_waiting: int = 1024  # queued sequences before new requests get 429
+    enable_prefix_caching: bool = True
+    priority_scheduling: bool = False
+    # ids at and above this are padding rows of the embedding (no token): never sampled
+    sampleable_vocab: int | None = None
+
+
+@dataclass
+class EngineStats:
+    num_steps: int = 0
+    prompt_tokens: int = 0  # computed (not cached) prompt tokens
+    generation_tokens: int = 0
+    preemptions: int = 0
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, executor: Executor, eos_ids: frozenset[int]) -> None:
+        if config.num_blocks * config.block_size < config.max_model_len:
+            raise ValueError(
+                f"KV cache of {config.num_blocks} blocks x {config.block_size} tokens cannot hold "
+                f"one sequence of max_model_len {config.max_model_len}")
+        self.config = config
+        self.executor = executor
+        self.eos_ids = eos_ids
+        self.blocks = BlockManager(config.num_blocks, config.block_size,
+                                   config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                            config.priority_scheduling), self.blocks)
+        self.stats = EngineStats()
+        self._seq_ids = itertools.count()
+        self._requests: dict[str, list[Sequence]] = {}
+        self._queues: dict[str, asyncio.Queue[TokenBatch | BaseException]] = {}
+        self._aborted: set[str] = set()
+        self._wakeup = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+
+    # ---- requests in and out -------------------------------------------------------------------
+    def add(self, request: GenerateRequest) -> asyncio.Queue[TokenBatch | BaseException]:
+        if request.request_id in self._requests:
+            raise EngineError(f"request id {request.request_id!r} is already running",
+                              param="request_id")
+        n_prompt = len(request.prompt_token_ids)
+        if n_prompt == 0:
+            raise EngineError("the prompt is empty", param="messages")
+        if n_prompt + request.params.max_tokens > self.config.max_model_len:
+            raise EngineError(
+                f"This model's maximum context length is {self.config.max_model_len} tokens. "
+                f"However, you requested {n_prompt + request.params.max_tokens} tokens "
+                f"({n_prompt} in the messages, {request.params.max_tokens} in the completion).",
+                param="max_tokens")
+        if len(self.scheduler.waiting) + request.n > self.config.max_waiting:
+            raise EngineError("the server is overloaded: too many requests waiting; retry later",
+                              status=429, type_="RateLimitError")
+        self._ensure_loop()
+        now = time.monotonic()
+        seqs = []
+        for i in range(request.n):
+            seq = Sequence(next(self._seq_ids), request.request_id, i,
+                           list(request.prompt_token_ids), n_prompt, request.params,
+                           priority=request.priority, arrival=now, cache_salt=request.cache_salt)
+            if request.params.seed is not None:
+                seq.generator = torch.Generator().manual_seed(request.params.seed + i)
+            if request.params.prompt_logprobs is not None:
+                seq.prompt_logprobs = [None]
+            seqs.append(seq)
+            self.scheduler.add(seq)
+        queue: asyncio.Queue[TokenBatch | BaseException] = asyncio.Queue()
+        self._requests[request.request_id] = seqs
+        self._queues[request.request_id] = queue
+        self._wakeup.set()
+        return queue
+
+    def abort(self, request_id: str) -> None:
+        """Marks a request aborted; the loop frees its blocks before the next step."""
+        if request_id in self._requests:
+            self._aborted.add(request_id)
+            self._wakeup.set()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ---- the step loop -------------------------------------------------------------------------
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            self._reap_aborted()
+            if not self.scheduler.has_work():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            scheduled = self.scheduler.schedule()
+            if not scheduled:
+                await asyncio.sleep(0.001)
+                continue
+            try:
+                out = await asyncio.to_thread(self.executor.execute, self._step_input(scheduled))
+                self._postprocess(scheduled, out)
+            except Exception as exc:  # a bug or a dead worker: fail this batch, keep serving
+                logger.exception("engine step failed")
+                for s in scheduled:
+                    self._fail(s.seq.request_id, exc)
+
+    def _reap_aborted(self) -> None:
+        for request_id in self._aborted:
+            for seq in self._requests.pop(request_id, []):
+                self.scheduler.remove(seq)
+            self._queues.pop(request_id, None)
+        self._aborted.clear()
+
+    def _fail(self, request_id: str, exc: BaseException) -> None:
+        queue = self._queues.pop(request_id, None)
+        for seq in self._requests.pop(request_id, []):
+            self.scheduler.remove(seq)
+        if queue is not None:
+            queue.put_nowait(exc)
+
+    def _step_input(self, scheduled: list[ScheduledSeq]) -> StepInput:
+        rows = []
+        for s in scheduled:
+            seq = s.seq
+            start = seq.num_computed_tokens
+            rows.append(RowInput(tuple(seq.token_ids[start:start + s.num_new_tokens]), start,
+                                 tuple(seq.block_table), s.samples,
+                                 seq.prompt_logprobs is not None and start < seq.num_prompt_tokens))
+        return StepInput(tuple(rows))
+
+    def _postprocess(self, scheduled: list[ScheduledSeq], out: StepOutput) -> None:
+        self.stats.num_steps += 1
+        sampling: list[Sequence] = []
+        for s, all_logits in zip(scheduled, out.all_logits):
+            seq = s.seq
+            samples = s.samples
+            before = seq.num_computed_tokens
+            if before < seq.num_prompt_tokens:
+                self.stats.prompt_tokens += min(s.num_new_tokens, seq.num_prompt_tokens - before)
+            seq.num_computed_tokens += s.num_new_tokens
+            self.blocks.commit_full_blocks(seq, before)
+            if all_logits is not None:
+                self._prompt_logprobs(seq, before, all_logits)
+            if samples:
+                sampling.append(seq)
+        if not sampling:
+            return
+        if self.config.sampleable_vocab is not None:
+            out.logits[:, self.config.sampleable_vocab:] = float("-inf")
+        result = sample(out.logits, sampling, self.eos_ids)
+        for seq, token, lp in zip(sampling, result.token_ids, result.logprobs):
+            if seq.request_id in self._aborted or seq.is_finished:
+                continue
+            self.stats.generation_tokens += 1
+            seq.token_ids.append(token)
+            self._check_stop(seq, token)
+            self._emit(seq, token, lp)
+
+    def _prompt_logprobs(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
+        # logits at position p score the token at p + 1; the first prompt token has none
+        end = min(start + logits.shape[0], seq.num_prompt_tokens - 1)
+        if end <= start:
+            return
+        targets = torch.tensor(seq.token_ids[start + 1:end + 1])
+        k = seq.params.prompt_logprobs or 0
+        seq.prompt_logprobs.extend(  # type: ignore[union-attr]
+            compute_logprobs(logits[: end - start].log_softmax(-1), targets, [k] * len(targets)))
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            if token in self.eos_ids and not p.ignore_eos:
+                seq.finish_reason = "stop"
+            elif token in p.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", token
+        if seq.finish_reason is None and (seq.num_output_tokens >= p.max_tokens
+                                          or len(seq) >= self.config.max_model_len):
+            seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            seq.status = SequenceStatus.FINISHED
+            self.scheduler.remove(seq)
+
+    def _emit(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> None:
+        queue = self._queues.get(seq.request_id)
+        if queue is None:
+            return
+        first = seq.num_output_tokens == 1
+        queue.put_nowait(TokenBatch(
+            seq.choice_index, (token,), None if lp is None else (lp,), seq.finish_reason,
+            seq.stop_reason, seq.num_prompt_tokens, seq.num_cached_tokens if first else 0,
+            tuple(seq.prompt_logprobs) if first and seq.prompt_logprobs is not None else None))
+        if seq.is_finished:
+            seqs = self._requests.get(seq.request_id, [])
+            if all(s.is_finished for s in seqs):
+                self._requests.pop(seq.request_id, None)
+                self._queues.pop(seq.request_id, None)

@@ -1,0 +1,74 @@
+"""Runs one step on the shard workers: in-process at tp=1 (no hop), or on N `ShardWorker` Ray
+actors placed in the replica's placement group at tp>1 (every rank computes; rank 0 answers)."""
+
+from __future__ import annotations
+
+import socket
+from typing import Protocol
+
+import ray
+from ray.util.placement_group import get_current_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from replicas.model_runner import StepInput, StepOutput
+from replicas.worker import ShardWorker, WorkerConfig
+
+
+class Executor(Protocol):
+    def execute(self, step: StepInput) -> StepOutput: ...
+
+    def check_health(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+class InProcessExecutor:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.worker = ShardWorker(config)
+
+    def execute(self, step: StepInput) -> StepOutput:
+        return self.worker.execute(step)  # type: ignore[return-value]  # rank 0 always answers
+
+    def check_health(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RayExecutor:
+    """Shard actors go into bundles 1..N of the replica's placement group (bundle 0 is the replica
+    itself); child actors are not captured by the group implicitly, so each is placed by index."""
+
+    def __init__(self, config: WorkerConfig, num_cpus_per_worker: float,
+                 num_gpus_per_worker: float) -> None:
+        pg = get_current_placement_group()
+        host = ray.util.get_node_ip_address()
+        dist_init = f"tcp://{host}:{_free_port()}"
+        actor = ray.remote(ShardWorker)
+        self.workers = []
+        for rank in range(config.tp_size):
+            options: dict = {"num_cpus": num_cpus_per_worker, "num_gpus": num_gpus_per_worker}
+            if pg is not None:
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=rank + 1)
+            self.workers.append(actor.options(**options).remote(config, rank, dist_init))
+        ray.get([w.ping.remote() for w in self.workers])
+
+    def execute(self, step: StepInput) -> StepOutput:
+        refs = [w.execute.remote(step) for w in self.workers]
+        outs = ray.get(refs)
+        return outs[0]
+
+    def check_health(self) -> None:
+        ray.get([w.ping.remote() for w in self.workers], timeout=30)
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            ray.kill(w)

@@ -1,0 +1,134 @@
+"""The messages that cross between the ingress and a replica, and the engine's per-sequence state.
+
+Only token ids cross the Ray hop: `GenerateRequest` in, `TokenBatch`es out. `Sequence` is the engine's
+mutable state for one choice of one request."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from structured.spec import Constraint
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    seed: int | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None  # None: off; k >= 0: the sampled token's logprob and the top k
+    prompt_logprobs: int | None = None
+    logits_processors: tuple[str, ...] = ()  # names on the server's allowlist
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    constraint: Constraint | None = None
+    n: int = 1
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """Every token one choice produced since the previous batch of that choice."""
+
+    choice_index: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | None = None  # the stop token id that ended it, if any
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+
+
+class EngineError(Exception):
+    """An error the ingress renders as an OpenAI error envelope with this HTTP status."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 type_: str = "BadRequestError") -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.type = type_
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One choice of one request as the engine tracks it (mutable; lives on the engine's loop)."""
+
+    seq_id: int
+    request_id: str
+    choice_index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    priority: int = 0
+    arrival: float = 0.0
+    cache_salt: str | None = None
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    generator: Any = None  # torch.Generator for seeded sampling
+    guide: Any = None  # structured.guide.Guide when constrained
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

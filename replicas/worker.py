@@ -1,0 +1,65 @@
+"""ShardWorker: one tensor-parallel rank: its slice of the weights, its slice of the KV cache, and
+the model runner. Runs in-process at tp=1, or as a Ray actor (one per GPU/bundle) at tp>1."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig
+
+from replicas.loader import load_weights
+from replicas.model_runner import ModelRunner, StepInput, StepOutput
+from replicas.models import get_model_class
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model_path: str
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    num_blocks: int
+    block_size: int
+    tp_size: int = 1
+    num_threads: int = 0  # torch intra-op threads; 0 = leave torch's default
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+class ShardWorker:
+    def __init__(self, config: WorkerConfig, rank: int = 0, dist_init: str | None = None) -> None:
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.rank = rank
+        self.config = config
+        self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        if config.tp_size > 1:
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, init_method=dist_init, rank=rank,
+                                    world_size=config.tp_size)
+        hf_config = AutoConfig.from_pretrained(config.model_path)
+        dtype = torch_dtype(config.dtype)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            model = get_model_class(hf_config)(hf_config)
+        finally:
+            torch.set_default_dtype(previous)
+        load_weights(model, Path(config.model_path), dtype)
+        model.to(self.device).eval()
+        head_dim = model.layers[0].self_attn.head_dim
+        kv_heads = model.layers[0].self_attn.num_kv_heads
+        kv_cache = torch.zeros(hf_config.num_hidden_layers, 2, config.num_blocks * config.block_size,
+                               kv_heads, head_dim, dtype=dtype, device=self.device)
+        self.runner = ModelRunner(model, kv_cache, config.block_size)
+
+    def execute(self, step: StepInput) -> StepOutput | None:
+        out = self.runner.execute(step)
+        return out if self.rank == 0 else None
+
+    def ping(self) -> int:
+        return os.getpid()

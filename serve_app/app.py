@@ -1,0 +1,53 @@
+"""build_app(config) -> serve.Application: one LLMReplica deployment per model, one ingress.
+
+`app_builder` is the entry `serve run serve_config.yaml` / `serve deploy` use; the CLI
+(`shardserve serve`) builds the same application."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from replicas.deployment import LLMReplica
+from serve_app.config import AppConfig, ModelConfig
+from serve_app.ingress import Ingress
+
+
+def replica_deployment_name(model: ModelConfig) -> str:
+    return "LLMReplica-" + re.sub(r"[^A-Za-z0-9_-]", "_", model.name)
+
+
+def replica_options(model: ModelConfig) -> dict[str, Any]:
+    options: dict[str, Any] = {"name": replica_deployment_name(model),
+                               "max_ongoing_requests": model.max_ongoing_requests}
+    if model.autoscaling_config is not None:
+        options["autoscaling_config"] = model.autoscaling_config.model_dump()
+    else:
+        options["num_replicas"] = model.num_replicas
+    if model.tensor_parallel_size > 1:
+        # bundle 0: the replica (scheduler, sampler); bundles 1..N: one shard worker each
+        shard: dict[str, float] = {"CPU": model.shard_num_cpus}
+        if model.shard_num_gpus:
+            shard["GPU"] = model.shard_num_gpus
+        options["placement_group_bundles"] = ([{"CPU": model.replica_num_cpus}]
+                                              + [shard] * model.tensor_parallel_size)
+        options["placement_group_strategy"] = model.placement_group_strategy
+    else:
+        options["ray_actor_options"] = {"num_cpus": model.replica_num_cpus,
+                                        "num_gpus": model.shard_num_gpus}
+    return options
+
+
+def build_app(config: AppConfig) -> Application:
+    handles = {m.name: LLMReplica.options(**replica_options(m)).bind(m.replica_config())
+               for m in config.models}
+    return Ingress.options(
+        num_replicas=config.ingress_num_replicas,
+        ray_actor_options={"num_cpus": config.ingress_num_cpus}).bind(config, handles)
+
+
+def app_builder(args: dict[str, Any]) -> Application:
+    return build_app(AppConfig.from_args(args))

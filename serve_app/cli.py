@@ -1,0 +1,127 @@
+"""The `shardserve` command: `serve` starts Ray and the Serve application; `bench` runs benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def _serve_parser(sub: Any) -> None:
+    p = sub.add_parser("serve", help="start the OpenAI-compatible server")
+    p.add_argument("--config", type=Path, help="YAML file with AppConfig fields")
+    p.add_argument("--model", help="HF model folder or hub id (default: the embedded tiny model)")
+    p.add_argument("--served-model-name")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--tensor-parallel-size", type=int)
+    p.add_argument("--num-replicas", type=int)
+    p.add_argument("--min-replicas", type=int, help="turns on autoscaling")
+    p.add_argument("--max-replicas", type=int, help="turns on autoscaling")
+    p.add_argument("--target-ongoing-requests", type=float)
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-gib", type=float)
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--max-num-batched-tokens", type=int)
+    p.add_argument("--block-size", type=int)
+    p.add_argument("--num-threads", type=int)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--priority-scheduling", action="store_true")
+    p.add_argument("--api-key", help="or SHARDSERVE_API_KEY")
+    p.add_argument("--logits-processors", nargs="*", help="allowlisted processor names")
+    p.add_argument("--ray-address", help="connect to a running cluster instead of starting Ray")
+    p.add_argument("--num-cpus", type=float, help="logical CPUs for a local Ray instance")
+
+
+def config_from_args(args: argparse.Namespace):
+    from serve_app.config import AppConfig
+    data: dict[str, Any] = yaml.safe_load(args.config.read_text()) if args.config else {}
+    model_keys = {"model": args.model, "served_model_name": args.served_model_name,
+                  "max_model_len": args.max_model_len,
+                  "tensor_parallel_size": args.tensor_parallel_size,
+                  "num_replicas": args.num_replicas, "dtype": args.dtype,
+                  "kv_cache_gib": args.kv_cache_gib, "max_num_seqs": args.max_num_seqs,
+                  "max_num_batched_tokens": args.max_num_batched_tokens,
+                  "block_size": args.block_size, "num_threads": args.num_threads}
+    model = {k: v for k, v in model_keys.items() if v is not None}
+    if args.no_prefix_caching:
+        model["enable_prefix_caching"] = False
+    if args.priority_scheduling:
+        model["priority_scheduling"] = True
+    if args.min_replicas is not None or args.max_replicas is not None:
+        auto = {"min_replicas": args.min_replicas or 1,
+                "max_replicas": args.max_replicas or max(1, args.min_replicas or 1)}
+        if args.target_ongoing_requests:
+            auto["target_ongoing_requests"] = args.target_ongoing_requests
+        model["autoscaling_config"] = auto
+    if model:
+        models = data.get("models") or [{}]
+        if len(models) > 1:
+            raise SystemExit("model flags apply to one model; edit the config file for several")
+        data["models"] = [{**models[0], **model}]
+    for key, value in (("host", args.host), ("port", args.port), ("api_key", args.api_key),
+                       ("logits_processors", args.logits_processors)):
+        if value is not None:
+            data[key] = value
+    return AppConfig.model_validate(data)
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    config = config_from_args(args)
+    if args.ray_address:
+        ray.init(address=args.ray_address)
+    else:
+        ray.init(num_cpus=args.num_cpus or max(4, os.cpu_count() or 1),
+                 include_dashboard=False)
+    serve.start(http_options={"host": config.host, "port": config.port})
+    started = time.monotonic()
+    serve.run(build_app(config), name="shardserve", route_prefix="/", blocking=False)
+    names = ", ".join(m.name for m in config.models)
+    print(f"shardserve: serving {names} at http://{config.host}:{config.port}/v1 "
+          f"(ready in {time.monotonic() - started:.1f} s; Ctrl-C stops)", flush=True)
+    stop = False
+
+    def _stop(*_: Any) -> None:
+        nonlocal stop
+        stop = True
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        while not stop:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    serve.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="shardserve")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    try:
+        from benchmarks.cli import add_bench_parser
+        add_bench_parser(sub)
+    except ImportError:
+        pass
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return serve_main(args)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,552 @@
+"""The ingress deployment: FastAPI routes under `@serve.ingress`, auth, body parsing, and the fan-out
+of each request to its model's replica through a streaming DeploymentHandle call.
+
+One handle call per request (all n choices ride it). The first TokenBatch is awaited before the
+HTTP status is sent, so engine-side rejections are still proper 4xx responses; after that, errors
+travel in the SSE stream. Leaving the stream (client gone, stop string, timeout) cancels the call,
+and the replica aborts the request and frees its blocks."""
+
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from ray import serve
+
+from replicas.request import GenerateRequest, TokenBatch
+from serve_app import chat, sampling
+from serve_app.config import AppConfig
+from serve_app.errors import APIError, install_handlers, validation_error
+from serve_app.metrics import Metrics
+from serve_app.models import ModelRegistry, ServedModel, load_model
+from serve_app.protocol import (ChatChoice, ChatCompletion, ChatCompletionChunk,
+                                ChatCompletionRequest, ChoiceLogprobs, ChunkChoice, Completion,
+                                CompletionChoice, CompletionLogprobs, CompletionRequest, Delta,
+                                DeltaToolCall, DeltaToolCallFunction, DetokenizeRequest,
+                                ModelCard, ModelList, PromptTokensDetails, ResponseFunctionCall,
+                                ResponseMessage, ResponseToolCall, TokenizeRequest, Usage)
+from serve_app.stream import DONE, ChoiceDelta, ChoiceState, TokenText, prompt_logprobs_json, sse
+from serve_app.tool_parser import OutputParser
+
+logger = logging.getLogger(__name__)
+VERSION = "0.1.0"
+MAX_JSON_DEPTH = 64
+OPEN_PATHS = {"/health", "/metrics", "/version", "/ping"}
+T = TypeVar("T", bound=BaseModel)
+
+app = FastAPI(title="shardserve", version=VERSION)
+install_handlers(app)
+
+
+def _json_depth(obj: Any, limit: int) -> bool:
+    """True when nesting stays within `limit` (iterative: deep bodies must not blow the stack)."""
+    stack = [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return False
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
+    return True
+
+
+class Generation:
+    """One in-flight handle call: the first batch already received, the rest to iterate."""
+
+    def __init__(self, call: Any, first: tuple[TokenBatch, ...]) -> None:
+        self.call = call
+        self.first: tuple[TokenBatch, ...] | None = first
+
+    async def __aiter__(self) -> AsyncIterator[tuple[TokenBatch, ...]]:
+        if self.first is not None:
+            first, self.first = self.first, None
+            yield first
+        async for batches in self.call:
+            yield batches
+
+    def cancel(self) -> None:
+        self.call.cancel()
+
+
+@serve.deployment(max_ongoing_requests=512, ray_actor_options={"num_cpus": 0.25})
+@serve.ingress(app)
+class Ingress:
+    def __init__(self, config: AppConfig, handles: dict[str, Any]) -> None:
+        self.config = config
+        self.registry = ModelRegistry([load_model(m, handles[m.name]) for m in config.models])
+        self.metrics = Metrics()
+        self.stream_handles = {name: h.options(stream=True) for name, h in handles.items()}
+
+    # ---- plumbing ------------------------------------------------------------------------------
+    def _auth(self, request: Request) -> None:
+        key = self.config.api_key
+        if not key or request.url.path in OPEN_PATHS:
+            return
+        auth = request.headers.get("authorization", "")
+        given = auth[7:].strip() if auth.lower().startswith("bearer ") else None
+        given = given or request.headers.get("x-api-key")
+        if given != key:
+            raise APIError("invalid or missing API key (send Authorization: Bearer <key> or "
+                           "x-api-key)", 401, type_="AuthenticationError")
+
+    async def _parse(self, request: Request, model: type[T]) -> T:
+        self._auth(request)
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.config.max_body_bytes:
+            raise APIError(f"request body larger than {self.config.max_body_bytes} bytes", 413)
+        ctype = request.headers.get("content-type", "application/json").split(";")[0].strip()
+        if ctype not in ("application/json", "") and not ctype.endswith("+json"):
+            raise APIError(f"content type {ctype!r} is not supported: send application/json", 415)
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.config.max_body_bytes:
+                raise APIError(f"request body larger than {self.config.max_body_bytes} bytes", 413)
+        try:
+            obj = json.loads(bytes(body))
+        except UnicodeDecodeError:
+            raise APIError("the body is not valid UTF-8", 400) from None
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise APIError(f"the body is not valid JSON: {exc}", 400) from None
+        if not isinstance(obj, dict):
+            raise APIError("the body must be a JSON object", 400)
+        if not _json_depth(obj, MAX_JSON_DEPTH):
+            raise APIError(f"the body is nested deeper than {MAX_JSON_DEPTH} levels", 400)
+        try:
+            return model.model_validate(obj)
+        except ValidationError as exc:
+            raise validation_error(exc) from None  # type: ignore[arg-type]
+
+    async def _limits(self, served: ServedModel) -> sampling.ServerLimits:
+        info = await served.ensure_info()
+        return sampling.ServerLimits(
+            info["max_model_len"], min(info["vocab_size"], len(served.tokenizer)),
+            self.config.max_n, served.config.priority_scheduling,
+            frozenset(self.config.logits_processors))
+
+    async def _start(self, served: ServedModel, gen: GenerateRequest) -> Generation:
+        call = self.stream_handles[served.name].generate.remote(gen)
+        try:
+            first = await call.__anext__()
+        except StopAsyncIteration:
+            raise APIError("the engine returned no output", 500) from None
+        except Exception as exc:
+            call.cancel()
+            raise APIError.from_exception(exc) from None
+        return Generation(call, first)
+
+    def _request_id(self, prefix: str, body: Any, request: Request) -> str:
+        rid = body.request_id or request.headers.get("x-request-id")
+        return f"{prefix}-{rid}" if rid else f"{prefix}-{uuid.uuid4().hex}"
+
+    # ---- routes --------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health(self) -> Response:
+        try:
+            for served in self.registry.models.values():
+                await asyncio.wait_for(served.handle.stats.remote(), timeout=10)
+        except Exception as exc:
+            return APIError(f"model replicas are not answering: {type(exc).__name__}", 503).response()
+        return Response(status_code=200)
+
+    @app.get("/ping")
+    async def ping(self) -> Response:
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version(self) -> dict:
+        return {"version": VERSION}
+
+    @app.get("/metrics")
+    async def metrics(self) -> Response:
+        for served in self.registry.models.values():
+            try:
+                stats = await asyncio.wait_for(served.handle.stats.remote(), timeout=5)
+            except Exception:
+                continue
+            self.metrics.set_engine_stats(served.name, stats)
+        return Response(self.metrics.render(), media_type=self.metrics.content_type)
+
+    @app.get("/v1/models")
+    async def list_models(self, request: Request) -> ModelList:
+        self._auth(request)
+        cards = []
+        for served in self.registry.models.values():
+            info = await served.ensure_info()
+            cards.append(ModelCard(id=served.name, created=served.created, root=served.config.model,
+                                   max_model_len=info["max_model_len"]))
+        return ModelList(data=cards)
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(self, model_id: str, request: Request) -> ModelCard:
+        self._auth(request)
+        served = self.registry.resolve(model_id)
+        info = await served.ensure_info()
+        return ModelCard(id=served.name, created=served.created, root=served.config.model,
+                         max_model_len=info["max_model_len"])
+
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request) -> dict:
+        body = await self._parse(request, TokenizeRequest)
+        served = self.registry.resolve(body.model)
+        info = await served.ensure_info()
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError("give exactly one of prompt or messages", param="prompt")
+        if body.messages is not None:
+            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+            rendered = chat.render(
+                served.tokenizer, chat.to_template_messages(body.messages), tools=tools,
+                chat_template=body.chat_template, add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                add_special_tokens=bool(body.add_special_tokens),
+                template_kwargs=body.chat_template_kwargs)
+            ids = rendered.token_ids
+        else:
+            add = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = served.tokenizer.encode(body.prompt, add_special_tokens=add)
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": info["max_model_len"],
+                               "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = served.tokenizer.convert_ids_to_tokens(ids)
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request) -> dict:
+        body = await self._parse(request, DetokenizeRequest)
+        served = self.registry.resolve(body.model)
+        limit = len(served.tokenizer)
+        bad = [t for t in body.tokens if t >= limit]
+        if bad:
+            raise APIError(f"token ids {bad[:5]} are out of the vocabulary (size {limit})",
+                           param="tokens")
+        return {"prompt": served.tokenizer.decode(body.tokens)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        body = await self._parse(request, ChatCompletionRequest)
+        served = self.registry.resolve(body.model)
+        limits = await self._limits(served)
+        rendered = chat.render_request(served.tokenizer, body)
+        ids = chat.truncate(rendered.token_ids, body.truncate_prompt_tokens, limits.max_model_len)
+        params, options = sampling.build(body, prompt_len=len(ids), limits=limits,
+                                         tokenizer=served.tokenizer, chat=True)
+        if body.modalities and any(m != "text" for m in body.modalities) or body.audio:
+            raise APIError("audio output is not supported by this model", param="modalities")
+        constraint = sampling.constraint_of(body)
+        self._check_tool_choice(body)
+        if constraint is not None:
+            raise APIError("structured outputs are not available on this server yet",
+                           param="response_format")
+        rid = self._request_id("chatcmpl", body, request)
+        n_gen = options.best_of or body.n
+        gen = GenerateRequest(rid, tuple(ids), params, constraint, n_gen, body.priority,
+                              body.cache_salt)
+        started = time.monotonic()
+        generation = await self._start(served, gen)
+        parse_tools = bool(body.tools) and body.tool_choice != "none"
+        reasoning = served.has_think_tokens
+        token_text = TokenText(served.tokenizer, options.return_tokens_as_token_ids)
+        states = [ChoiceState(i, served.tokenizer, served.fast, options,
+                              OutputParser(reasoning, body.include_reasoning, parse_tools),
+                              token_text) for i in range(n_gen)]
+        echo = ""
+        if options.echo and body.messages[-1].role == "assistant":
+            echo = chat._text_of(body.messages[-1], len(body.messages) - 1) or ""
+        headers = {"X-Request-Id": rid.removeprefix("chatcmpl-")}
+        timeout = options.timeout_s or self.config.request_timeout_s
+        if options.stream:
+            return StreamingResponse(
+                self._chat_stream(served, generation, states, rid, options, ids, echo, started,
+                                  timeout, body.n),
+                media_type="text/event-stream", headers=headers)
+        await self._drain(generation, states, timeout)
+        self.metrics.observe_request(served.name, started, states, len(ids))
+        chosen = self._best(states, body.n, options)
+        choices = []
+        for new_index, st in enumerate(chosen):
+            msg = ResponseMessage(content=None, reasoning_content=None)
+            content = echo + st.content
+            msg.content = content if (content or not st.parser.tool_calls) else None
+            if st.reasoning:
+                msg.reasoning_content = st.reasoning
+            msg.tool_calls = [ResponseToolCall(id=c.id, function=ResponseFunctionCall(
+                name=c.name, arguments=c.arguments)) for c in st.parser.tool_calls]
+            choices.append(ChatChoice(
+                index=new_index, message=msg,
+                logprobs=ChoiceLogprobs(content=st.logprobs) if options.logprobs else None,
+                finish_reason=st.finish_reason, stop_reason=st.stop_reason,
+                token_ids=st.token_ids if options.return_token_ids else None))
+        response = ChatCompletion(
+            id=rid, model=served.name, choices=choices, usage=self._usage(states, ids),
+            prompt_token_ids=ids if options.return_token_ids else None,
+            prompt_logprobs=prompt_logprobs_json(states[0].prompt_logprobs, ids, token_text))
+        return JSONResponse(response.model_dump(exclude_none=False), headers=headers)
+
+    def _check_tool_choice(self, body: ChatCompletionRequest) -> None:
+        choice = body.tool_choice
+        if choice is None or choice == "none":
+            return
+        if not body.tools:
+            raise APIError("tool_choice needs tools", param="tool_choice")
+        if choice == "auto":
+            return
+        raise APIError("tool_choice 'required' and named tools need structured outputs, which "
+                       "are not available on this server yet", param="tool_choice")
+
+    @staticmethod
+    def _usage(states: list[ChoiceState], ids: list[int]) -> Usage:
+        completion = sum(len(s.token_ids) for s in states)
+        cached = max((s.num_cached_tokens for s in states), default=0)
+        return Usage(prompt_tokens=len(ids), completion_tokens=completion,
+                     total_tokens=len(ids) + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+    @staticmethod
+    def _best(states: list[ChoiceState], n: int,
+              options: sampling.OutputOptions) -> list[ChoiceState]:
+        if options.best_of is None or options.best_of == n:
+            return states[:n]
+        ranked = sorted(states, key=lambda s: s.score(options.length_penalty), reverse=True)
+        return ranked[:n]
+
+    async def _drain(self, generation: Generation, states: list[ChoiceState],
+                     timeout: float) -> None:
+        """Non-streaming: runs the generation to its end, each state accumulating its output."""
+        try:
+            async with asyncio.timeout(timeout):
+                async for batches in generation:
+                    for b in batches:
+                        states[b.choice_index].on_batch(b)
+                    if all(s.done for s in states):
+                        break
+        except TimeoutError:
+            raise APIError(f"the request took longer than its {timeout:g} s timeout", 408,
+                           param="inference_timeout") from None
+        except APIError:
+            raise
+        except Exception as exc:
+            raise APIError.from_exception(exc) from None
+        finally:
+            generation.cancel()
+
+    async def _chat_stream(self, served: ServedModel, generation: Generation,
+                           states: list[ChoiceState], rid: str, options: sampling.OutputOptions,
+                           ids: list[int], echo: str, started: float, timeout: float,
+                           n: int) -> AsyncIterator[str]:
+        created = int(time.time())
+        sent_role = [False] * len(states)
+
+        def chunk(choice: ChunkChoice, usage: Usage | None = None) -> str:
+            return sse(ChatCompletionChunk(id=rid, created=created, model=served.name,
+                                           choices=[choice], usage=usage))
+        try:
+            async with asyncio.timeout(timeout):
+                async for batches in generation:
+                    for b in batches:
+                        st = states[b.choice_index]
+                        delta = st.on_batch(b)
+                        if delta is None:
+                            continue
+                        if not sent_role[st.index]:
+                            sent_role[st.index] = True
+                            self.metrics.observe_first_token(served.name, started)
+                            yield chunk(ChunkChoice(index=st.index, delta=Delta(
+                                role="assistant", content=echo)))
+                        if not (delta.content or delta.reasoning or delta.tool_calls
+                                or delta.finish_reason or delta.logprobs
+                                or options.return_token_ids):
+                            continue  # held text (a partial character or stop string)
+                        yield chunk(self._chunk_choice(delta, options),
+                                    self._usage(states, ids) if
+                                    options.continuous_usage_stats else None)
+                    if all(s.done for s in states):
+                        break
+            if options.include_usage:
+                yield sse(ChatCompletionChunk(id=rid, created=created, model=served.name,
+                                              choices=[], usage=self._usage(states, ids)))
+            self.metrics.observe_request(served.name, started, states, len(ids))
+        except TimeoutError:
+            yield APIError(f"the request took longer than its {timeout:g} s timeout", 408,
+                           param="inference_timeout").sse()
+        except asyncio.CancelledError:
+            raise  # the client went away: the finally below cancels the replica call
+        except Exception as exc:
+            yield APIError.from_exception(exc).sse()
+        finally:
+            generation.cancel()
+        yield DONE
+
+    @staticmethod
+    def _chunk_choice(delta: ChoiceDelta, options: sampling.OutputOptions) -> ChunkChoice:
+        d = Delta()
+        if delta.content or not (delta.reasoning or delta.tool_calls):
+            d.content = delta.content
+        if delta.reasoning:
+            d.reasoning_content = delta.reasoning
+        if delta.tool_calls:
+            d.tool_calls = [DeltaToolCall(index=c.index, id=c.id, type="function",
+                                          function=DeltaToolCallFunction(name=c.name,
+                                                                         arguments=c.arguments))
+                            for c in delta.tool_calls]
+        return ChunkChoice(
+            index=delta.index, delta=d,
+            logprobs=ChoiceLogprobs(content=delta.logprobs) if options.logprobs else None,
+            finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
+            token_ids=delta.token_ids if options.return_token_ids else None)
+
+    # ---- /v1/completions -----------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        body = await self._parse(request, CompletionRequest)
+        served = self.registry.resolve(body.model)
+        limits = await self._limits(served)
+        prompts = self._prompts(body, served, limits)
+        if len(prompts) > 1 and body.stream:
+            raise APIError("streaming supports one prompt per request", param="prompt")
+        constraint = sampling.constraint_of(body)
+        if constraint is not None:
+            raise APIError("structured outputs are not available on this server yet",
+                           param="response_format")
+        rid = self._request_id("cmpl", body, request)
+        headers = {"X-Request-Id": rid.removeprefix("cmpl-")}
+        timeout = body.inference_timeout or self.config.request_timeout_s
+        choices: list[CompletionChoice] = []
+        usage = Usage()
+        started = time.monotonic()
+        built = []
+        for ids in prompts:  # validate every prompt before starting any
+            built.append(sampling.build(body, prompt_len=len(ids), limits=limits,
+                                        tokenizer=served.tokenizer, chat=False))
+        for p_index, (ids, (params, options)) in enumerate(zip(prompts, built)):
+            n_gen = options.best_of or body.n
+            gen = GenerateRequest(f"{rid}-{p_index}", tuple(ids), params, None, n_gen,
+                                  body.priority, body.cache_salt)
+            generation = await self._start(served, gen)
+            token_text = TokenText(served.tokenizer, options.return_tokens_as_token_ids)
+            states = [ChoiceState(i, served.tokenizer, served.fast, options,
+                                  OutputParser(False, False, False), token_text)
+                      for i in range(n_gen)]
+            echo = served.tokenizer.decode(ids) if options.echo else ""
+            if options.stream:
+                return StreamingResponse(
+                    self._completion_stream(served, generation, states, rid, options, ids, echo,
+                                            timeout),
+                    media_type="text/event-stream", headers=headers)
+            await self._drain(generation, states, timeout)
+            self.metrics.observe_request(served.name, started, states, len(ids))
+            for st in self._best(states, body.n, options):
+                choices.append(CompletionChoice(
+                    index=len(choices), text=echo + st.content,
+                    logprobs=self._completion_logprobs(st) if options.logprobs else None,
+                    finish_reason=st.finish_reason, stop_reason=st.stop_reason,
+                    token_ids=st.token_ids if options.return_token_ids else None,
+                    prompt_token_ids=ids if options.return_token_ids else None,
+                    prompt_logprobs=prompt_logprobs_json(st.prompt_logprobs, ids, token_text)))
+            u = self._usage(states, ids)
+            usage.prompt_tokens += u.prompt_tokens
+            usage.completion_tokens += u.completion_tokens
+            usage.total_tokens += u.total_tokens
+        return JSONResponse(Completion(id=rid, model=served.name, choices=choices,
+                                       usage=usage).model_dump(), headers=headers)
+
+    def _prompts(self, body: CompletionRequest, served: ServedModel,
+                 limits: sampling.ServerLimits) -> list[list[int]]:
+        p = body.prompt
+        add = True if body.add_special_tokens is None else body.add_special_tokens
+        if isinstance(p, str):
+            raw = [served.tokenizer.encode(p, add_special_tokens=add)]
+        elif p and all(isinstance(x, int) for x in p):
+            raw = [list(p)]  # type: ignore[arg-type]
+        elif p and all(isinstance(x, str) for x in p):
+            raw = [served.tokenizer.encode(x, add_special_tokens=add) for x in p]  # type: ignore
+        elif p and all(isinstance(x, list) for x in p):
+            raw = [list(x) for x in p]  # type: ignore[arg-type]
+        else:
+            raise APIError("prompt must be a string, a list of strings, a list of token ids "
+                           "or a list of lists of token ids, and not empty", param="prompt")
+        out = []
+        for ids in raw:
+            if not ids:
+                raise APIError("a prompt is empty", param="prompt")
+            bad = [t for t in ids if not 0 <= t < limits.vocab_size]
+            if bad:
+                raise APIError(f"prompt token ids {bad[:5]} are out of the vocabulary "
+                               f"(size {limits.vocab_size})", param="prompt")
+            out.append(chat.truncate(ids, body.truncate_prompt_tokens, limits.max_model_len))
+        return out
+
+    @staticmethod
+    def _completion_logprobs(st: ChoiceState) -> CompletionLogprobs:
+        lp = CompletionLogprobs()
+        offset = 0
+        for e in st.logprobs:
+            lp.tokens.append(e.token)
+            lp.token_logprobs.append(e.logprob)
+            lp.top_logprobs.append({t.token: t.logprob for t in e.top_logprobs} or None)
+            lp.text_offset.append(offset)
+            offset += len(e.token)
+        return lp
+
+    async def _completion_stream(self, served: ServedModel, generation: Generation,
+                                 states: list[ChoiceState], rid: str,
+                                 options: sampling.OutputOptions, ids: list[int], echo: str,
+                                 timeout: float) -> AsyncIterator[str]:
+        created = int(time.time())
+        echoed = [False] * len(states)
+
+        def chunk(choices: list[dict], usage: Usage | None = None) -> str:
+            obj: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created,
+                                   "model": served.name, "choices": choices}
+            if usage is not None:
+                obj["usage"] = usage.model_dump()
+            return sse(obj)
+        try:
+            async with asyncio.timeout(timeout):
+                async for batches in generation:
+                    for b in batches:
+                        st = states[b.choice_index]
+                        delta = st.on_batch(b)
+                        if delta is None:
+                            continue
+                        text = delta.content
+                        if not echoed[st.index]:
+                            echoed[st.index] = True
+                            text = echo + text
+                        c: dict[str, Any] = {"index": st.index, "text": text,
+                                             "finish_reason": delta.finish_reason,
+                                             "stop_reason": delta.stop_reason,
+                                             "logprobs": None}
+                        if options.logprobs:
+                            c["logprobs"] = {
+                                "tokens": [e.token for e in delta.logprobs],
+                                "token_logprobs": [e.logprob for e in delta.logprobs],
+                                "top_logprobs": [{t.token: t.logprob for t in e.top_logprobs}
+                                                 or None for e in delta.logprobs],
+                                "text_offset": []}
+                        if options.return_token_ids:
+                            c["token_ids"] = delta.token_ids
+                        yield chunk([c], self._usage(states, ids)
+                                    if options.continuous_usage_stats else None)
+                    if all(s.done for s in states):
+                        break
+            if options.include_usage:
+                yield chunk([], self._usage(states, ids))
+        except TimeoutError:
+            yield APIError(f"the request took longer than its {timeout:g} s timeout", 408,
+                           param="inference_timeout").sse()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            yield APIError.from_exception(exc).sse()
+        finally:
+            generation.cancel()
+        yield DONE

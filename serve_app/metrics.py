@@ -1,0 +1,71 @@
+"""Prometheus metrics with vLLM's names (`vllm:...`), so existing vLLM dashboards work unchanged.
+
+Request-level histograms are observed in the ingress; engine gauges (running, waiting, KV-cache
+usage) and token counters are read from the replicas' stats at scrape time."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               generate_latest)
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        label = ["model_name"]
+        self.running = Gauge("vllm:num_requests_running", "Sequences running", label, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Sequences waiting", label, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage (1 = full)", label,
+                              registry=r)
+        self.prompt_tokens = Gauge("vllm:prompt_tokens_total", "Prompt tokens computed", label,
+                                   registry=r)
+        self.generation_tokens = Gauge("vllm:generation_tokens_total", "Tokens generated", label,
+                                       registry=r)
+        self.preemptions = Gauge("vllm:num_preemptions_total", "Preemptions", label, registry=r)
+        self.success = Counter("vllm:request_success", "Finished requests",
+                               label + ["finished_reason"], registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", label,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Time per output token",
+                              label, buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end latency", label,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.request_prompt = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request",
+                                        label, buckets=(16, 64, 256, 1024, 4096, 16384),
+                                        registry=r)
+        self.request_generation = Histogram(
+            "vllm:request_generation_tokens", "Generated tokens per request", label,
+            buckets=(16, 64, 256, 1024, 4096, 16384), registry=r)
+        self.content_type = CONTENT_TYPE_LATEST
+
+    def observe_first_token(self, model: str, started: float) -> None:
+        self.ttft.labels(model).observe(time.monotonic() - started)
+
+    def observe_request(self, model: str, started: float, states: list[Any],
+                        prompt_len: int) -> None:
+        elapsed = time.monotonic() - started
+        self.e2e.labels(model).observe(elapsed)
+        self.request_prompt.labels(model).observe(prompt_len)
+        for st in states:
+            n = len(st.token_ids)
+            self.request_generation.labels(model).observe(n)
+            if n > 1:
+                self.tpot.labels(model).observe(elapsed / n)
+            self.success.labels(model, st.finish_reason or "abort").inc()
+
+    def set_engine_stats(self, model: str, stats: dict[str, Any]) -> None:
+        self.running.labels(model).set(stats["num_running"])
+        self.waiting.labels(model).set(stats["num_waiting"])
+        self.kv_usage.labels(model).set(stats["kv_cache_usage"])
+        self.prompt_tokens.labels(model).set(stats["prompt_tokens"])
+        self.generation_tokens.labels(model).set(stats["generation_tokens"])
+        self.preemptions.labels(model).set(stats["preemptions"])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,70 @@
+"""The served models as the ingress sees them: name resolution (incl. `vendor/model[/deployment]`),
+the tokenizer of each, and the replica handle requests fan out to."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenizers import Tokenizer
+from transformers import AutoTokenizer
+
+from replicas.model_files import resolve_model_path
+from serve_app.config import ModelConfig
+from serve_app.errors import APIError
+
+
+@dataclass
+class ServedModel:
+    config: ModelConfig
+    handle: Any  # DeploymentHandle of the model's LLMReplica deployment
+    tokenizer: Any  # transformers tokenizer: chat template, encode
+    fast: Tokenizer  # the raw `tokenizers` object: incremental decoding
+    created: int = field(default_factory=lambda: int(time.time()))
+    info: dict[str, Any] | None = None  # from the replica: max_model_len, vocab_size
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def has_think_tokens(self) -> bool:
+        vocab = self.tokenizer.get_vocab()
+        return "<think>" in vocab and "</think>" in vocab
+
+    async def ensure_info(self) -> dict[str, Any]:
+        if self.info is None:
+            self.info = await self.handle.info.remote()
+        return self.info
+
+
+def load_model(config: ModelConfig, handle: Any) -> ServedModel:
+    path = resolve_model_path(config.model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return ServedModel(config, handle, tokenizer, tokenizer.backend_tokenizer)
+
+
+class ModelRegistry:
+    def __init__(self, models: list[ServedModel]) -> None:
+        self.models = {m.name: m for m in models}
+        self.default = models[0]
+
+    def resolve(self, name: str | None) -> ServedModel:
+        """Exact name; else `vendor/model` or `vendor/model/deployment` whose model part names
+        a served model (or its last path component)."""
+        if name is None or name == "":
+            return self.default
+        if name in self.models:
+            return self.models[name]
+        parts = name.split("/")
+        candidates = ["/".join(parts[i:j]) for i in range(len(parts))
+                      for j in range(len(parts), i, -1)]
+        for cand in candidates:
+            if cand in self.models:
+                return self.models[cand]
+        by_tail = {m.split("/")[-1]: m for m in self.models}
+        for cand in candidates:
+            if cand in by_tail:
+                return self.models[by_tail[cand]]
+        raise APIError(f"The model `{name}` does not exist.", 404, "model", "NotFoundError")

@@ -1,0 +1,159 @@
+"""Engine outputs -> OpenAI choices: detokenize, cut at stop strings, parse reasoning and tool
+calls, collect logprobs and usage. `ChoiceState` turns each `TokenBatch` of one choice into a
+`ChoiceDelta`; the ingress renders deltas as SSE chunks or folds them into one response."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from replicas.request import TokenBatch, TokenLogprob
+from serve_app.detokenize import IncrementalDetokenizer
+from serve_app.protocol import LogprobEntry, TopLogprob
+from serve_app.sampling import OutputOptions
+from serve_app.tool_parser import OutputParser, ParsedToolCall
+
+NEG_INF_LOGPROB = -9999.0
+
+
+@dataclass
+class ChoiceDelta:
+    index: int
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[ParsedToolCall] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[LogprobEntry] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class TokenText:
+    """Renders token ids as the strings logprobs report (cached per id)."""
+
+    def __init__(self, tokenizer: Any, as_token_ids: bool) -> None:
+        self.tokenizer = tokenizer
+        self.as_ids = as_token_ids
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        if self.as_ids:
+            return f"token_id:{token_id}"
+        text = self.cache.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self.cache[token_id] = text
+        return text
+
+    def entry(self, lp: TokenLogprob, top_n: int) -> LogprobEntry:
+        def top(tid: int, value: float) -> TopLogprob:
+            s = self(tid)
+            return TopLogprob(token=s, logprob=_finite(value), bytes=list(s.encode("utf-8")))
+        s = self(lp.token_id)
+        return LogprobEntry(token=s, logprob=_finite(lp.logprob), bytes=list(s.encode("utf-8")),
+                            top_logprobs=[top(t, v) for t, v in lp.top[:top_n]])
+
+
+def _finite(x: float) -> float:
+    return NEG_INF_LOGPROB if x == float("-inf") or x != x else x
+
+
+class ChoiceState:
+    def __init__(self, index: int, tokenizer: Any, fast_tokenizer: Any, options: OutputOptions,
+                 parser: OutputParser, token_text: TokenText) -> None:
+        self.index = index
+        self.options = options
+        self.detok = IncrementalDetokenizer(fast_tokenizer, options.skip_special_tokens,
+                                            list(options.stop), options.include_stop_str_in_output)
+        self.parser = parser
+        self.token_text = token_text
+        self.token_ids: list[int] = []
+        self.cumulative_logprob = 0.0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_prompt_tokens = 0
+        self.num_cached_tokens = 0
+        self.prompt_logprobs: tuple | None = None
+        # the whole output so far, for non-streaming responses
+        self.content = ""
+        self.reasoning = ""
+        self.logprobs: list[LogprobEntry] = []
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def on_batch(self, batch: TokenBatch) -> ChoiceDelta | None:
+        if self.done:
+            return None  # output was already cut at a stop string
+        if batch.num_prompt_tokens:
+            self.num_prompt_tokens = batch.num_prompt_tokens
+            self.num_cached_tokens = max(self.num_cached_tokens, batch.num_cached_tokens)
+        if batch.prompt_logprobs is not None:
+            self.prompt_logprobs = batch.prompt_logprobs
+        delta = ChoiceDelta(self.index)
+        ids = list(batch.token_ids)
+        text = self.detok.add(ids)
+        if text.stop is not None:
+            self.finish_reason, self.stop_reason = "stop", text.stop
+        elif batch.finish_reason is not None:
+            self.finish_reason, self.stop_reason = batch.finish_reason, batch.stop_reason
+        piece = text.text
+        if self.done and text.stop is None:
+            piece += self.detok.flush()
+        self.token_ids.extend(ids)
+        delta.token_ids = ids
+        if batch.logprobs is not None:
+            for lp in batch.logprobs:
+                self.cumulative_logprob += lp.logprob
+                if self.options.logprobs:
+                    delta.logprobs.append(self.token_text.entry(lp, self.options.top_logprobs))
+        parsed = self.parser.feed(piece)
+        if self.done:
+            tail = self.parser.flush()
+            parsed.content += tail.content
+            parsed.reasoning += tail.reasoning
+            parsed.tool_calls += tail.tool_calls
+        delta.content, delta.reasoning, delta.tool_calls = (parsed.content, parsed.reasoning,
+                                                            parsed.tool_calls)
+        self.content += delta.content
+        self.reasoning += delta.reasoning
+        self.logprobs += delta.logprobs
+        if self.done:
+            if self.parser.tool_calls and self.finish_reason == "stop":
+                self.finish_reason = "tool_calls"
+            delta.finish_reason, delta.stop_reason = self.finish_reason, self.stop_reason
+        return delta
+
+    def score(self, length_penalty: float) -> float:
+        """best_of ranking: cumulative logprob over length ** length_penalty."""
+        return self.cumulative_logprob / max(1, len(self.token_ids)) ** length_penalty
+
+
+def prompt_logprobs_json(entries: tuple | None, prompt_ids: list[int],
+                         token_text: TokenText) -> list[dict[str, Any] | None] | None:
+    """vLLM's shape: one dict per prompt token, {token_id: {logprob, rank, decoded_token}}."""
+    if entries is None:
+        return None
+    out: list[dict[str, Any] | None] = []
+    for pos, lp in enumerate(entries):
+        if lp is None:
+            out.append(None)
+            continue
+        d = {str(lp.token_id): {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                                "decoded_token": token_text(lp.token_id)}}
+        for rank, (tid, value) in enumerate(lp.top, start=1):
+            d.setdefault(str(tid), {"logprob": _finite(value), "rank": rank,
+                                    "decoded_token": token_text(tid)})
+        out.append(d)
+    return out[: len(prompt_ids)]
+
+
+def sse(obj: Any) -> str:
+    if hasattr(obj, "model_dump_json"):
+        return f"data: {obj.model_dump_json(exclude_unset=False, exclude_none=True)}\n\n"
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+DONE = "data: [DONE]\n\n"

@@ -1,0 +1,147 @@
+"""Constraint spec -> Compiled, off the event loop, cached, within a time limit.
+
+One Compiler per model replica (its vocabulary is fixed). `await compiler.compile(spec)` returns a
+`Compiled`; `compiled.new_guide()` makes the per-request Guide (microseconds). Results, failures
+included, are kept in an LRU keyed by the spec, and concurrent compiles of one spec share the work.
+
+Time limit: outlines-core builds its automaton eagerly and cannot be interrupted, so it runs in a
+killable worker process (structured/index_builder.py) that is killed at the limit. llguidance
+compiles lazily in about a millisecond under its own fuel limits (lexer, grammar size), so it runs
+in a thread; the limit still bounds what the caller waits. Either way the caller's event loop and
+other compiles keep running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+from structured.errors import ConstraintError
+from structured.guide import Guide, LLGuidanceGuide, OutlinesAutomaton
+from structured.index_builder import BuildFailed, BuildTimeout, IndexBuilder
+from structured.schema_check import Backend, Plan, check_constraint
+from structured.spec import Constraint
+from structured.vocabulary import Vocabulary
+
+
+@dataclass(frozen=True, eq=False)
+class Compiled:
+    """A compiled constraint, shared by every request that uses the same spec."""
+
+    spec: Constraint
+    backend: Backend
+    compile_time_s: float
+    _new_guide: Callable[[], Guide]
+
+    def new_guide(self) -> Guide:
+        """A fresh per-request guide at the start state."""
+        return self._new_guide()
+
+
+class Compiler:
+    """Compiles specs against one vocabulary.
+
+    timeout_s: the most a compile may take; past it ConstraintError (400).
+    cache_size: compiled specs (and failures) kept, least recently used dropped first.
+    processes: outlines-core compile workers (each holds a copy of the vocabulary).
+    max_memory_mb: address-space cap of each worker; a compile that needs more fails with 400.
+    Use from one event loop.
+    """
+
+    def __init__(self, vocab: Vocabulary, timeout_s: float = 10.0, cache_size: int = 256,
+                 processes: int = 2, max_memory_mb: int | None = 4096) -> None:
+        self.vocab = vocab
+        self.timeout_s = timeout_s
+        self.cache_size = cache_size
+        self._cache: OrderedDict[Constraint, Compiled | ConstraintError] = OrderedDict()
+        self._inflight: dict[Constraint, asyncio.Future] = {}
+        self._builder = IndexBuilder(vocab.outlines, processes=processes, max_memory_mb=max_memory_mb)
+        self._threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="llguidance-compile")
+
+    def start(self) -> None:
+        """Warm up now instead of on the first compile: backend vocabularies, worker processes."""
+        self.vocab.llguidance  # noqa: B018 (cached property)
+        self._builder.start()
+
+    async def compile(self, spec: Constraint) -> Compiled:
+        """The Compiled for `spec`. Raises ConstraintError when the spec is invalid, unsupported,
+        unsatisfiable, too large, or takes longer than timeout_s to compile."""
+        cached = self._cache.get(spec)
+        if cached is not None:
+            self._cache.move_to_end(spec)
+            if isinstance(cached, ConstraintError):
+                raise cached
+            return cached
+        future = self._inflight.get(spec)
+        if future is None:
+            future = asyncio.ensure_future(self._compile(spec))
+            self._inflight[spec] = future
+            future.add_done_callback(lambda f: self._finish(spec, f))
+        # shield: a cancelled caller (client gone) does not cancel the compile others wait for
+        return await asyncio.shield(future)
+
+    def _finish(self, spec: Constraint, future: asyncio.Future) -> None:
+        self._inflight.pop(spec, None)
+        if future.cancelled():
+            return
+        error = future.exception()
+        if error is not None and not isinstance(error, ConstraintError):
+            return  # our own bug: do not cache it
+        self._cache[spec] = error if error is not None else future.result()
+        self._cache.move_to_end(spec)
+        while len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
+
+    async def _compile(self, spec: Constraint) -> Compiled:
+        started = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        plan = await loop.run_in_executor(self._threads, check_constraint, spec)
+        if plan.backend == "outlines":
+            new_guide = await self._compile_outlines(plan)
+        else:
+            new_guide = await self._compile_llguidance(plan)
+        return Compiled(spec, plan.backend, time.perf_counter() - started, new_guide)
+
+    async def _compile_outlines(self, plan: Plan) -> Callable[[], Guide]:
+        try:
+            index = await self._builder.build(plan.source, self.timeout_s)
+        except BuildTimeout:
+            raise ConstraintError(
+                f"the {plan.param} constraint took longer than {self.timeout_s:g} s to compile",
+                plan.param) from None
+        except BuildFailed as e:
+            raise ConstraintError(f"the {plan.param} constraint cannot be compiled: {e}",
+                                  plan.param) from None
+        if not index.get_final_states():
+            raise ConstraintError(f"the {plan.param} constraint can never be complete "
+                                  "(its automaton has no final state)", plan.param)
+        return OutlinesAutomaton(index, self.vocab).new_guide
+
+    async def _compile_llguidance(self, plan: Plan) -> Callable[[], Guide]:
+        import llguidance
+
+        def build() -> llguidance.LLMatcher:
+            return llguidance.LLMatcher(self.vocab.llguidance, plan.source, log_level=0)
+
+        loop = asyncio.get_running_loop()
+        try:
+            prototype = await asyncio.wait_for(loop.run_in_executor(self._threads, build),
+                                               self.timeout_s)
+        except asyncio.TimeoutError:
+            raise ConstraintError(
+                f"the {plan.param} constraint took longer than {self.timeout_s:g} s to compile",
+                plan.param) from None
+        if prototype.is_error():
+            raise ConstraintError(f"the {plan.param} constraint cannot be compiled: "
+                                  f"{prototype.get_error()}", plan.param)
+        vocab = self.vocab
+        return lambda: LLGuidanceGuide(prototype.deep_copy(), vocab)
+
+    def close(self) -> None:
+        """Stop the compile workers."""
+        self._builder.close()
+        self._threads.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,216 @@
+"""Per-request constraint state: which tokens may come next, and the state after each token.
+
+The engine owns one Guide per constrained sequence (never keyed by batch row: rows change every
+step). Per step it calls `fill_bitmask(bitmask, row)` for the row the sequence has this step, samples,
+then `advance(token)`. A sampled EOS ends the sequence: the engine does not advance on it (a guide
+given EOS while EOS is allowed just records the end).
+
+Bitmask: packed int32 `[batch, ceil(vocab.size / 32)]`, CPU, contiguous; bit `t % 32` of word
+`t // 32` set means token t is allowed. Masks are written straight into the row by the backend,
+never built from token lists.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from structured.errors import InvalidTokenError
+
+if TYPE_CHECKING:
+    import llguidance
+    import outlines_core
+
+    from structured.vocabulary import Vocabulary
+
+DEFAULT_MAX_FORCED = 16
+
+
+def _row_pointer(bitmask: torch.Tensor, row: int, words: int) -> int:
+    if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or bitmask.dim() != 2:
+        raise ValueError("bitmask must be a 2-D int32 CPU tensor")
+    if bitmask.shape[1] != words or bitmask.stride(1) != 1:
+        raise ValueError(f"bitmask rows must be {words} contiguous int32 words")
+    if not 0 <= row < bitmask.shape[0]:
+        raise IndexError(f"row {row} out of range for a bitmask of {bitmask.shape[0]} rows")
+    return bitmask.data_ptr() + row * bitmask.stride(0) * 4
+
+
+def _bit(token_id: int) -> int:
+    """The int32 word value with token_id's bit set (bit 31 is the sign bit)."""
+    value = 1 << (token_id & 31)
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def write_only(bitmask: torch.Tensor, row: int, token_ids: Sequence[int]) -> None:
+    """Make `token_ids` the only allowed tokens of the row."""
+    bitmask[row].zero_()
+    for t in token_ids:
+        bitmask[row, t >> 5] |= _bit(t)
+
+
+class Guide(ABC):
+    """The state of one constrained output. Not thread-safe; one per sequence."""
+
+    def __init__(self, vocab: "Vocabulary") -> None:
+        self.vocab = vocab
+        self.ended = False  # an EOS was accepted: the output is complete
+
+    @abstractmethod
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into `bitmask[row]` (every word of the row is written)."""
+
+    def advance(self, token_id: int) -> None:
+        """Consume one sampled token. Raises InvalidTokenError when the state does not allow it
+        (the guide is then unusable). EOS, when allowed, ends the output and changes nothing."""
+        if token_id in self.vocab.eos_token_ids:
+            if not self.is_finished():
+                raise InvalidTokenError(f"EOS ({token_id}) before the output is complete")
+            self.ended = True
+            return
+        if self.ended:
+            raise InvalidTokenError(f"token {token_id} after EOS")
+        self._advance(token_id)
+
+    def advance_many(self, token_ids: Sequence[int]) -> None:
+        """Consume several tokens in order (e.g. forced tokens); same rules as advance()."""
+        for t in token_ids:
+            self.advance(t)
+
+    @abstractmethod
+    def _advance(self, token_id: int) -> None: ...
+
+    @abstractmethod
+    def is_finished(self) -> bool:
+        """The output so far is complete: EOS is allowed now (more tokens may be allowed too)."""
+
+    @abstractmethod
+    def can_only_finish(self) -> bool:
+        """Nothing but EOS is allowed: the output must stop now."""
+
+    @abstractmethod
+    def forced_tokens(self, max_tokens: int = DEFAULT_MAX_FORCED) -> list[int]:
+        """Tokens the constraint forces from here, in order (at most max_tokens), for jump-forward
+        decoding. Does not advance: feed them back with advance_many()."""
+
+
+# ---- outlines-core ------------------------------------------------------------------------------
+
+class OutlinesAutomaton:
+    """A compiled outlines-core Index plus facts about its states, learned lazily and shared by all
+    guides of one compiled constraint."""
+
+    def __init__(self, index: "outlines_core.Index", vocab: "Vocabulary") -> None:
+        self.index = index
+        self.vocab = vocab
+        self._facts: dict[int, tuple[int | None, bool]] = {}  # state -> (forced token, only EOS)
+        self._lock = threading.Lock()
+
+    def facts(self, state: int) -> tuple[int | None, bool]:
+        """(the one non-EOS token allowed when it is the only choice and EOS is not, only-EOS)."""
+        known = self._facts.get(state)
+        if known is not None:
+            return known
+        allowed = self.index.get_allowed_tokens(state) or []
+        eos = self.vocab.eos_token_id
+        final = self.index.is_final_state(state)
+        non_eos = [t for t in allowed if t != eos] if len(allowed) <= 2 else allowed
+        forced = non_eos[0] if len(non_eos) == 1 and not final else None
+        known = (forced, final and not non_eos)
+        with self._lock:
+            self._facts[state] = known
+        return known
+
+    def new_guide(self) -> "OutlinesGuide":
+        import outlines_core
+
+        return OutlinesGuide(self, outlines_core.Guide(self.index))
+
+
+class OutlinesGuide(Guide):
+    def __init__(self, automaton: OutlinesAutomaton, guide: "outlines_core.Guide") -> None:
+        super().__init__(automaton.vocab)
+        self._automaton = automaton
+        self._guide = guide
+        self._extra_eos = automaton.vocab.eos_token_ids[1:]
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        words = self.vocab.bitmask_words
+        ptr = _row_pointer(bitmask, row, words)
+        if self.ended:
+            write_only(bitmask, row, self.vocab.eos_token_ids)
+            return
+        self._guide.write_mask_into(ptr, words, 4)
+        if self._extra_eos and self._guide.is_finished():
+            for t in self._extra_eos:
+                bitmask[row, t >> 5] |= _bit(t)
+
+    def _advance(self, token_id: int) -> None:
+        try:
+            self._guide.advance(token_id, return_tokens=False)
+        except ValueError as e:
+            raise InvalidTokenError(str(e)) from None
+
+    def is_finished(self) -> bool:
+        return self.ended or self._guide.is_finished()
+
+    def can_only_finish(self) -> bool:
+        return self.ended or self._automaton.facts(self._guide.get_state())[1]
+
+    def forced_tokens(self, max_tokens: int = DEFAULT_MAX_FORCED) -> list[int]:
+        if self.ended:
+            return []
+        tokens: list[int] = []
+        state = self._guide.get_state()
+        index = self._automaton.index
+        while len(tokens) < max_tokens:
+            forced = self._automaton.facts(state)[0]
+            if forced is None:
+                break
+            tokens.append(forced)
+            state = index.get_next_state(state, forced)
+        return tokens
+
+
+# ---- llguidance ---------------------------------------------------------------------------------
+
+class LLGuidanceGuide(Guide):
+    def __init__(self, matcher: "llguidance.LLMatcher", vocab: "Vocabulary") -> None:
+        super().__init__(vocab)
+        self._matcher = matcher
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        words = self.vocab.bitmask_words
+        ptr = _row_pointer(bitmask, row, words)
+        if self.ended:
+            write_only(bitmask, row, self.vocab.eos_token_ids)
+            return
+        # In an error state llguidance allows only EOS, which ends the sequence.
+        self._matcher.unsafe_compute_mask_ptr(ptr, words * 4)
+
+    def _advance(self, token_id: int) -> None:
+        if self._matcher.try_consume_tokens([token_id]) != 1:
+            raise InvalidTokenError(f"token {token_id} is not allowed here")
+
+    def advance_many(self, token_ids: Sequence[int]) -> None:
+        token_ids = list(token_ids)
+        if not token_ids or any(t in self.vocab.eos_token_ids for t in token_ids) or self.ended:
+            super().advance_many(token_ids)
+            return
+        done = self._matcher.try_consume_tokens(token_ids)
+        if done != len(token_ids):
+            raise InvalidTokenError(f"token {token_ids[done]} is not allowed here")
+
+    def is_finished(self) -> bool:
+        return self.ended or self._matcher.is_accepting()
+
+    def can_only_finish(self) -> bool:
+        return self.ended or self._matcher.is_stopped()
+
+    def forced_tokens(self, max_tokens: int = DEFAULT_MAX_FORCED) -> list[int]:
+        if self.ended or self._matcher.is_stopped():
+            return []
+        return self._matcher.compute_ff_tokens()[:max_tokens]
