@@ -122,8 +122,11 @@ class Engine:
 
     # ---- the step loop -------------------------------------------------------------------------
     def _ensure_loop(self) -> None:
-        if self._loop_task is None or self._loop_task.done():
-            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+        loop = asyncio.get_running_loop()
+        task = self._loop_task
+        if task is None or task.done() or task.get_loop() is not loop:
+            self._wakeup = asyncio.Event()  # an Event binds to the loop that first waits on it
+            self._loop_task = loop.create_task(self._run())
 
     async def _run(self) -> None:
         while True:

@@ -83,7 +83,7 @@ class ModelRunner:
         return (torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
                 meta)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def execute(self, step: StepInput) -> StepOutput:
         input_ids, positions, meta = self.prepare(step)
         hidden = self.model(input_ids, positions, self.kv_cache, meta)

@@ -6,20 +6,25 @@ it is to kill the process doing it. Each worker holds the vocabulary (sent once 
 one Index at a time and sends it back pickled. A worker that times out, dies or runs out of its
 memory cap is killed and replaced on demand; the others keep working.
 
-This module imports only outlines-core so that a spawned worker starts quickly (no torch).
+Workers are fresh interpreters that import only this module and outlines-core (no torch), so they
+start in about 0.1 s; each runs under an address-space cap.
 """
 
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
-import multiprocessing.connection
+import os
+import subprocess
+import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from multiprocessing.connection import Connection
 
 import outlines_core
+
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class BuildTimeout(Exception):
@@ -30,56 +35,65 @@ class BuildFailed(Exception):
     """outlines-core refused the regex (its message), or the worker died (e.g. memory cap)."""
 
 
-def _worker_main(conn: multiprocessing.connection.Connection, vocabulary: outlines_core.Vocabulary,
-                 max_memory_bytes: int | None) -> None:
+def _serve(read_fd: int, write_fd: int) -> None:
+    """Worker process main: receive (vocabulary, memory cap), then build Indexes until EOF."""
+    inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
+    parent = os.getppid()
+
+    def exit_with_parent() -> None:  # a killed server must not leave a compile running for minutes
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=exit_with_parent, daemon=True).start()
+    vocabulary, max_memory_bytes = inbox.recv()
     if max_memory_bytes:
         import resource
 
         resource.setrlimit(resource.RLIMIT_AS, (max_memory_bytes, max_memory_bytes))
-    conn.send(("ready", None))
+    outbox.send(("ready", None))
     while True:
         try:
-            regex = conn.recv()
+            regex = inbox.recv()
         except (EOFError, OSError):
             return
         try:
-            index = outlines_core.Index(regex, vocabulary)
-            conn.send(("ok", index))
+            outbox.send(("ok", outlines_core.Index(regex, vocabulary)))
         except MemoryError:
-            conn.send(("error", "the constraint needs more memory than allowed to compile"))
+            outbox.send(("error", "the constraint needs more memory than allowed to compile"))
         except Exception as e:  # outlines-core reports bad regexes as ValueError/TypeError
-            conn.send(("error", str(e)))
+            outbox.send(("error", str(e)))
 
 
 @dataclass(eq=False)
 class _Worker:
-    process: Any  # multiprocessing.Process (spawn context)
-    conn: multiprocessing.connection.Connection
+    process: subprocess.Popen
+    inbox: Connection  # parent -> worker
+    outbox: Connection  # worker -> parent
     ready: bool = False
 
     def kill(self) -> None:
         self.process.kill()
-        self.process.join(timeout=5)
-        self.conn.close()
+        self.process.wait(timeout=5)
+        self.inbox.close()
+        self.outbox.close()
 
 
 class IndexBuilder:
     """A pool of `processes` killable workers building `outlines_core.Index(regex, vocabulary)`.
 
     `await build(regex, timeout_s)` waits off the event loop; the time limit counts from the moment
-    a worker takes the job (waiting for a free worker is not counted). Use from one event loop.
+    a worker takes the job (waiting for a free worker is not counted).
     """
 
     def __init__(self, vocabulary: outlines_core.Vocabulary, processes: int = 2,
                  max_memory_mb: int | None = 4096) -> None:
         self._vocabulary = vocabulary
         self._max_memory = max_memory_mb * 2**20 if max_memory_mb else None
-        self._ctx = multiprocessing.get_context("spawn")  # fork is unsafe next to threads (torch, Ray)
         self._size = max(1, processes)
         self._workers: set[_Worker] = set()
         self._idle: list[_Worker] = []
         self._lock = threading.Lock()
-        self._slots: asyncio.Semaphore | None = None
         self._threads = ThreadPoolExecutor(max_workers=self._size, thread_name_prefix="index-wait")
         self._closed = False
 
@@ -90,12 +104,22 @@ class IndexBuilder:
                 self._idle.append(self._spawn())
 
     def _spawn(self) -> _Worker:
-        parent, child = self._ctx.Pipe()
-        process = self._ctx.Process(target=_worker_main, name="outlines-index-builder",
-                                    args=(child, self._vocabulary, self._max_memory), daemon=True)
-        process.start()
-        child.close()
-        worker = _Worker(process, parent)
+        # A fresh interpreter running only this module: unlike multiprocessing's spawn it never
+        # re-imports the parent's __main__, and it carries no torch, Ray or event-loop state.
+        to_worker_r, to_worker_w = os.pipe()
+        to_parent_r, to_parent_w = os.pipe()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+        code = f"from structured.index_builder import _serve; _serve({to_worker_r}, {to_parent_w})"
+        try:
+            process = subprocess.Popen([sys.executable, "-c", code], env=env,
+                                       pass_fds=(to_worker_r, to_parent_w),
+                                       stdin=subprocess.DEVNULL)
+        finally:
+            os.close(to_worker_r)
+            os.close(to_parent_w)
+        worker = _Worker(process, Connection(to_worker_w, readable=False),
+                         Connection(to_parent_r, writable=False))
         self._workers.add(worker)
         return worker
 
@@ -117,24 +141,23 @@ class IndexBuilder:
         """Build the Index. Raises BuildTimeout after `timeout_s` of work, BuildFailed otherwise."""
         if self._closed:
             raise RuntimeError("IndexBuilder is closed")
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(self._size)
-        async with self._slots:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._threads, self._build_blocking, regex, timeout_s)
+        # One thread per worker: jobs beyond that queue in the executor before their clock starts.
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._threads, self._build_blocking, regex, timeout_s)
 
     def _build_blocking(self, regex: str, timeout_s: float) -> outlines_core.Index:
         worker = self._take()
         try:
-            if not worker.ready:  # a fresh process: wait for its imports, not counted in the limit
-                if not worker.conn.poll(60.0):
+            if not worker.ready:  # a fresh process: its start is not counted in the time limit
+                worker.inbox.send((self._vocabulary, self._max_memory))
+                if not worker.outbox.poll(60.0):
                     raise BuildFailed("the compile worker did not start")
-                worker.conn.recv()
+                worker.outbox.recv()
                 worker.ready = True
-            worker.conn.send(regex)
-            if not worker.conn.poll(timeout_s):
+            worker.inbox.send(regex)
+            if not worker.outbox.poll(timeout_s):
                 raise BuildTimeout()
-            status, payload = worker.conn.recv()
+            status, payload = worker.outbox.recv()
         except (BuildTimeout, BuildFailed):
             self._retire(worker, healthy=False)
             raise

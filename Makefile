@@ -1,0 +1,26 @@
+# The two commands: `make serve` (set up, then serve the embedded model on :8000) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+ARGS ?=
+
+.PHONY: setup serve test bench-engine clean
+
+$(BIN)/shardserve: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# the CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build
+	$(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+setup: $(BIN)/shardserve
+
+serve: setup
+	$(BIN)/shardserve serve $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest -q $(ARGS)
+
+clean:
+	rm -rf $(VENV) *.egg-info

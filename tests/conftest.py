@@ -1,0 +1,61 @@
+"""Shared fixtures: a real Ray Serve app on the embedded model, started once per test module."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_app(config_args: dict[str, Any], num_cpus: int = 4) -> Iterator[str]:
+    """Starts Ray, Serve and our app; yields the base URL (…/v1); tears all down after."""
+    import ray
+    from ray import serve
+
+    from serve_app.app import build_app
+    from serve_app.config import AppConfig
+
+    port = free_port()
+    config = AppConfig.model_validate({"port": port, **config_args})
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(config), name="shardserve", route_prefix="/")
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                    break
+            time.sleep(0.5)
+        yield f"{base}/v1"
+    finally:
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+        ray.shutdown()
+
+
+SMALL_MODEL = {"model": "shardserve/tiny-llama", "max_model_len": 1024, "kv_cache_gib": 0.1,
+               "max_num_seqs": 32, "num_threads": 2, "replica_num_cpus": 1.0}

@@ -1,0 +1,151 @@
+"""The engine alone (no Ray): continuous batching gives each request exactly what it gets alone,
+blocks come back after finishing and after aborts, stop rules and seeds hold."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from replicas.deployment import LLMServer, ReplicaConfig
+from replicas.embedded import EMBEDDED_MODEL_ID
+from replicas.request import EngineError, GenerateRequest, SamplingParams
+
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest.fixture(scope="module")
+def server() -> LLMServer:
+    return LLMServer(ReplicaConfig(model=EMBEDDED_MODEL_ID, max_model_len=512, kv_cache_gib=0.05,
+                                   max_num_seqs=32, max_num_batched_tokens=256, block_size=8))
+
+
+async def _collect(server: LLMServer, req: GenerateRequest) -> dict[int, list]:
+    out: dict[int, list] = {}
+    async for batches in server.generate(req):
+        for b in batches:
+            out.setdefault(b.choice_index, []).append(b)
+    return out
+
+
+def _tokens(batches: list) -> list[int]:
+    return [t for b in batches for t in b.token_ids]
+
+
+def _prompts(n: int, seed: int = 0) -> list[tuple[int, ...]]:
+    rng = random.Random(seed)
+    return [tuple(rng.randrange(10, 3900) for _ in range(rng.randrange(3, 120))) for _ in range(n)]
+
+
+async def test_32_concurrent_requests_match_each_alone(server: LLMServer) -> None:
+    prompts = _prompts(32)
+    lengths = [random.Random(i).randrange(1, 40) for i in range(32)]
+    reqs = [GenerateRequest(f"r{i}", p, SamplingParams(max_tokens=m, temperature=0.0,
+                                                       ignore_eos=True))
+            for i, (p, m) in enumerate(zip(prompts, lengths))]
+    alone = []
+    for r in reqs:
+        alone.append(_tokens((await _collect(server, r))[0]))
+    together = await asyncio.gather(*(_collect(server, r) for r in reqs))
+    for r, a, t in zip(reqs, alone, together):
+        assert len(a) == r.params.max_tokens
+        assert _tokens(t[0]) == a, r.request_id
+        assert t[0][-1].finish_reason == "length"
+    assert server.engine.blocks.num_used_blocks == 0
+    assert server.engine.stats.num_steps > 0
+
+
+async def test_abort_frees_blocks(server: LLMServer) -> None:
+    reqs = [GenerateRequest(f"a{i}", p, SamplingParams(max_tokens=200, ignore_eos=True))
+            for i, p in enumerate(_prompts(8, seed=1))]
+
+    async def consume_a_little(r: GenerateRequest) -> None:
+        gen = server.generate(r)
+        await gen.__anext__()
+        await gen.aclose()  # the consumer goes away, as a disconnecting client does
+
+    await asyncio.gather(*(consume_a_little(r) for r in reqs))
+    for _ in range(100):
+        if server.engine.blocks.num_used_blocks == 0 and not server.engine.scheduler.has_work():
+            break
+        await asyncio.sleep(0.02)
+    assert server.engine.blocks.num_used_blocks == 0
+
+
+async def test_cancelled_task_aborts(server: LLMServer) -> None:
+    req = GenerateRequest("c1", _prompts(1, seed=2)[0],
+                          SamplingParams(max_tokens=300, ignore_eos=True))
+    task = asyncio.create_task(_collect(server, req))
+    await asyncio.sleep(0.2)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(100):
+        if server.engine.blocks.num_used_blocks == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert server.engine.blocks.num_used_blocks == 0
+
+
+async def test_seed_gives_same_tokens_alone_and_in_a_batch(server: LLMServer) -> None:
+    prompt = _prompts(1, seed=3)[0]
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=1234, ignore_eos=True)
+    alone = _tokens((await _collect(server, GenerateRequest("s-alone", prompt, params)))[0])
+    others = [GenerateRequest(f"noise{i}", p, SamplingParams(max_tokens=30, temperature=1.0,
+                                                             ignore_eos=True))
+              for i, p in enumerate(_prompts(16, seed=4))]
+    results = await asyncio.gather(_collect(server, GenerateRequest("s-batch", prompt, params)),
+                                   *(_collect(server, r) for r in others))
+    assert _tokens(results[0][0]) == alone
+    different = _tokens((await _collect(server, GenerateRequest(
+        "s-other", prompt, SamplingParams(max_tokens=24, seed=99, ignore_eos=True))))[0])
+    assert different != alone
+
+
+async def test_n_choices_ride_one_request(server: LLMServer) -> None:
+    out = await _collect(server, GenerateRequest(
+        "n3", _prompts(1, seed=5)[0], SamplingParams(max_tokens=10, seed=7, ignore_eos=True), n=3))
+    assert sorted(out) == [0, 1, 2]
+    assert all(len(_tokens(out[i])) == 10 for i in range(3))
+    assert len({tuple(_tokens(out[i])) for i in range(3)}) > 1
+
+
+async def test_stop_token_ids_and_min_tokens(server: LLMServer) -> None:
+    prompt = _prompts(1, seed=6)[0]
+    free = _tokens((await _collect(server, GenerateRequest(
+        "free", prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))))[0])
+    stop_at = free[5]
+    first = free.index(stop_at)
+    out = (await _collect(server, GenerateRequest(
+        "stop", prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                       stop_token_ids=(stop_at,)))))[0]
+    assert _tokens(out) == free[:first + 1]
+    assert out[-1].finish_reason == "stop" and out[-1].stop_reason == stop_at
+    # min_tokens bans the stop token until enough tokens exist
+    out = (await _collect(server, GenerateRequest(
+        "minstop", prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                          stop_token_ids=(stop_at,), min_tokens=first + 2))))[0]
+    assert len(_tokens(out)) >= first + 2
+
+
+async def test_prompt_too_long_is_rejected(server: LLMServer) -> None:
+    with pytest.raises(EngineError) as err:
+        await _collect(server, GenerateRequest("long", tuple(range(10, 500)),
+                                               SamplingParams(max_tokens=100)))
+    assert err.value.status == 400 and "maximum context length" in err.value.message
+
+
+async def test_prefix_cache_reuses_full_blocks(server: LLMServer) -> None:
+    prefix = tuple(range(100, 164))  # 8 full blocks of 8
+    a = await _collect(server, GenerateRequest("p1", prefix + (5, 6), SamplingParams(
+        max_tokens=2, temperature=0.0)))
+    b = await _collect(server, GenerateRequest("p2", prefix + (7, 8), SamplingParams(
+        max_tokens=2, temperature=0.0)))
+    assert a[0][0].num_cached_tokens == 0
+    assert b[0][0].num_cached_tokens == 64
+    salted = await _collect(server, GenerateRequest("p3", prefix + (7, 8), SamplingParams(
+        max_tokens=2, temperature=0.0), cache_salt="tenant-b"))
+    assert salted[0][0].num_cached_tokens == 0
+    assert _tokens(salted[0]) == _tokens(b[0])
