@@ -21,6 +21,7 @@ from tokenizers import Tokenizer
 from transformers import AutoConfig
 
 from replicas.engine import Engine, EngineConfig
+from replicas.logits_processors import load_factory
 from replicas.executor import InProcessExecutor, RayExecutor
 from replicas.model_files import resolve_model_path
 from replicas.request import GenerateRequest, TokenBatch
@@ -45,6 +46,7 @@ class ReplicaConfig:
     num_threads: int = 0  # 0: every core of the node
     shard_num_cpus: float = 0.5
     shard_num_gpus: float = 0.0
+    logits_processors: tuple[str, ...] = ()  # the allowlist: qualified names
 
 
 def eos_token_ids(path: Path, hf_config) -> frozenset[int]:
@@ -125,7 +127,8 @@ class LLMServer:
                          config.max_num_batched_tokens, config.max_waiting,
                          config.enable_prefix_caching, config.priority_scheduling,
                          sampleable_vocab=_tokenizer_size(path)),
-            executor, eos_token_ids(path, hf_config))
+            executor, eos_token_ids(path, hf_config),
+            {name: load_factory(name) for name in config.logits_processors})
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[tuple[TokenBatch, ...]]:
         queue = self.engine.add(request)

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -49,7 +52,8 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, executor: Executor, eos_ids: frozenset[int]) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor, eos_ids: frozenset[int],
+                 logits_processors: dict[str, Callable[..., Any]] | None = None) -> None:
         if config.num_blocks * config.block_size < config.max_model_len:
             raise ValueError(
                 f"KV cache of {config.num_blocks} blocks x {config.block_size} tokens cannot hold "
@@ -57,6 +61,7 @@ class Engine:
         self.config = config
         self.executor = executor
         self.eos_ids = eos_ids
+        self.processor_factories = logits_processors or {}
         self.blocks = BlockManager(config.num_blocks, config.block_size,
                                    config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -98,6 +103,7 @@ class Engine:
                 seq.generator = torch.Generator().manual_seed(request.params.seed + i)
             if request.params.prompt_logprobs is not None:
                 seq.prompt_logprobs = [None]
+            seq.logits_processors = self._build_processors(request)
             seqs.append(seq)
             self.scheduler.add(seq)
         queue: asyncio.Queue[TokenBatch | BaseException] = asyncio.Queue()
@@ -105,6 +111,20 @@ class Engine:
         self._queues[request.request_id] = queue
         self._wakeup.set()
         return queue
+
+    def _build_processors(self, request: GenerateRequest) -> list[Any]:
+        out = []
+        for name, kwargs in request.params.logits_processors:
+            factory = self.processor_factories.get(name)
+            if factory is None:
+                raise EngineError(f"logits processor {name!r} is not on this server's allowlist",
+                                  param="logits_processors")
+            try:
+                out.append(factory(**json.loads(kwargs)))
+            except (TypeError, ValueError) as exc:
+                raise EngineError(f"logits processor {name!r}: {exc}",
+                                  param="logits_processors") from None
+        return out
 
     def abort(self, request_id: str) -> None:
         """Marks a request aborted; the loop frees its blocks before the next step."""

@@ -31,7 +31,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None  # None: off; k >= 0: the sampled token's logprob and the top k
     prompt_logprobs: int | None = None
-    logits_processors: tuple[str, ...] = ()  # names on the server's allowlist
+    # (name on the server's allowlist, constructor kwargs as JSON)
+    logits_processors: tuple[tuple[str, str], ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -115,6 +116,7 @@ class Sequence:
     stop_reason: int | None = None
     generator: Any = None  # torch.Generator for seeded sampling
     guide: Any = None  # structured.guide.Guide when constrained
+    logits_processors: list[Any] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
 

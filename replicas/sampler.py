@@ -137,6 +137,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int],
         bitmask_fn(logits)
     _ban_rows(logits, seqs, eos_ids)
     _logit_bias(logits, seqs)
+    for i, s in enumerate(seqs):
+        for processor in s.logits_processors:
+            logits[i] = processor(s.output_token_ids, logits[i])
     if any(s.params.needs_penalties for s in seqs):
         apply_penalties(logits, seqs)
 

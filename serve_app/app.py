@@ -42,7 +42,8 @@ def replica_options(model: ModelConfig) -> dict[str, Any]:
 
 
 def build_app(config: AppConfig) -> Application:
-    handles = {m.name: LLMReplica.options(**replica_options(m)).bind(m.replica_config())
+    handles = {m.name: LLMReplica.options(**replica_options(m)).bind(
+        m.replica_config(config.logits_processors))
                for m in config.models}
     return Ingress.options(
         num_replicas=config.ingress_num_replicas,

@@ -47,8 +47,9 @@ class ModelConfig(BaseModel):
     def name(self) -> str:
         return self.served_model_name or self.model
 
-    def replica_config(self) -> ReplicaConfig:
+    def replica_config(self, logits_processors: list[str] | None = None) -> ReplicaConfig:
         return ReplicaConfig(
+            logits_processors=tuple(logits_processors or ()),
             model=self.model, max_model_len=self.max_model_len, dtype=self.dtype,
             tensor_parallel_size=self.tensor_parallel_size, block_size=self.block_size,
             kv_cache_gib=self.kv_cache_gib, max_num_seqs=self.max_num_seqs,

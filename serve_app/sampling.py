@@ -220,7 +220,10 @@ def build(request: SamplingFields, *, prompt_len: int, limits: ServerLimits, tok
         if name not in limits.logits_processors:
             raise APIError(f"logits processor {name!r} is not on this server's allowlist",
                            param="logits_processors")
-        processors.append(name)
+        kwargs = {} if isinstance(p, str) else p.get("kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise APIError("logits processor kwargs must be an object", param="logits_processors")
+        processors.append((name, json.dumps(kwargs, sort_keys=True)))
 
     logprobs_n: int | None = None
     top_logprobs = 0

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from structured.errors import ConstraintError
-from structured.guide import Guide, LLGuidanceGuide, OutlinesAutomaton
+from structured.guide import Guide, LLGuidanceGuide, OutlinesAutomaton, outlines_regex
 from structured.index_builder import BuildFailed, BuildTimeout, IndexBuilder
 from structured.schema_check import Backend, Plan, check_constraint
 from structured.spec import Constraint
@@ -108,7 +108,7 @@ class Compiler:
 
     async def _compile_outlines(self, plan: Plan) -> Callable[[], Guide]:
         try:
-            index = await self._builder.build(plan.source, self.timeout_s)
+            index = await self._builder.build(outlines_regex(plan.source), self.timeout_s)
         except BuildTimeout:
             raise ConstraintError(
                 f"the {plan.param} constraint took longer than {self.timeout_s:g} s to compile",
@@ -116,10 +116,11 @@ class Compiler:
         except BuildFailed as e:
             raise ConstraintError(f"the {plan.param} constraint cannot be compiled: {e}",
                                   plan.param) from None
-        if not index.get_final_states():
+        automaton = OutlinesAutomaton(index, self.vocab)
+        if not automaton.has_final_state():
             raise ConstraintError(f"the {plan.param} constraint can never be complete "
                                   "(its automaton has no final state)", plan.param)
-        return OutlinesAutomaton(index, self.vocab).new_guide
+        return automaton.new_guide
 
     async def _compile_llguidance(self, plan: Plan) -> Callable[[], Guide]:
         import llguidance

@@ -12,7 +12,6 @@ never built from token lists.
 
 from __future__ import annotations
 
-import threading
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Sequence
 
@@ -98,31 +97,47 @@ class Guide(ABC):
 
 
 # ---- outlines-core ------------------------------------------------------------------------------
+#
+# outlines-core 0.2.14 drops a token when the text before its last byte completes the regex and the
+# whole token does not (regex-automata reports matches one byte late): after "12" under
+# `[0-9]+(\.[0-9]+)?` the token "." is missing, so decimals can never be written; a lone UTF-8 lead
+# byte (byte-fallback `<0xE6>`) after a complete match is missing, so such characters cannot be
+# written either. We compile R as `(?:R)` + two noncharacters instead, with a sentinel token spelling
+# them: no text the model writes completes that regex, so no token is dropped. The output so far
+# completes R exactly when the sentinel token leads to a final state. The sentinel's id lies past
+# every bitmask bit, so it never reaches a mask; EOS bits are set by the guide.
+
+def outlines_regex(regex: str) -> str:
+    """The regex outlines-core compiles for `regex` (whole-output match semantics)."""
+    return f"(?:{regex})\\x{{10FFFF}}\\x{{10FFFE}}"
+
 
 class OutlinesAutomaton:
-    """A compiled outlines-core Index plus facts about its states, learned lazily and shared by all
-    guides of one compiled constraint."""
+    """A compiled outlines-core Index (of `outlines_regex(R)`) plus facts about its states, learned
+    lazily and shared by every guide of one compiled constraint."""
 
     def __init__(self, index: "outlines_core.Index", vocab: "Vocabulary") -> None:
         self.index = index
         self.vocab = vocab
-        self._facts: dict[int, tuple[int | None, bool]] = {}  # state -> (forced token, only EOS)
-        self._lock = threading.Lock()
+        self._sentinel = vocab.outlines_sentinel_id
+        # state -> (forced token or None, R complete (EOS allowed), nothing but EOS allowed)
+        self._facts: dict[int, tuple[int | None, bool, bool]] = {}
 
-    def facts(self, state: int) -> tuple[int | None, bool]:
-        """(the one non-EOS token allowed when it is the only choice and EOS is not, only-EOS)."""
+    def facts(self, state: int) -> tuple[int | None, bool, bool]:
         known = self._facts.get(state)
         if known is not None:
             return known
-        allowed = self.index.get_allowed_tokens(state) or []
-        eos = self.vocab.eos_token_id
-        final = self.index.is_final_state(state)
-        non_eos = [t for t in allowed if t != eos] if len(allowed) <= 2 else allowed
-        forced = non_eos[0] if len(non_eos) == 1 and not final else None
-        known = (forced, final and not non_eos)
-        with self._lock:
-            self._facts[state] = known
+        index = self.index
+        allowed = index.get_allowed_tokens(state) or []
+        after_sentinel = index.get_next_state(state, self._sentinel)
+        final = after_sentinel is not None and index.is_final_state(after_sentinel)
+        others = [t for t in allowed if t != self._sentinel] if len(allowed) <= 2 else allowed
+        forced = others[0] if len(others) == 1 and not final else None
+        known = self._facts[state] = (forced, final, final and not others)
         return known
+
+    def has_final_state(self) -> bool:
+        return bool(self.index.get_final_states())
 
     def new_guide(self) -> "OutlinesGuide":
         import outlines_core
@@ -135,7 +150,6 @@ class OutlinesGuide(Guide):
         super().__init__(automaton.vocab)
         self._automaton = automaton
         self._guide = guide
-        self._extra_eos = automaton.vocab.eos_token_ids[1:]
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         words = self.vocab.bitmask_words
@@ -144,34 +158,35 @@ class OutlinesGuide(Guide):
             write_only(bitmask, row, self.vocab.eos_token_ids)
             return
         self._guide.write_mask_into(ptr, words, 4)
-        if self._extra_eos and self._guide.is_finished():
-            for t in self._extra_eos:
+        if self._automaton.facts(self._guide.get_state())[1]:
+            for t in self.vocab.eos_token_ids:
                 bitmask[row, t >> 5] |= _bit(t)
 
     def _advance(self, token_id: int) -> None:
+        if token_id >= self.vocab.size:
+            raise InvalidTokenError(f"token {token_id} is outside the vocabulary")
         try:
             self._guide.advance(token_id, return_tokens=False)
         except ValueError as e:
             raise InvalidTokenError(str(e)) from None
 
     def is_finished(self) -> bool:
-        return self.ended or self._guide.is_finished()
+        return self.ended or self._automaton.facts(self._guide.get_state())[1]
 
     def can_only_finish(self) -> bool:
-        return self.ended or self._automaton.facts(self._guide.get_state())[1]
+        return self.ended or self._automaton.facts(self._guide.get_state())[2]
 
     def forced_tokens(self, max_tokens: int = DEFAULT_MAX_FORCED) -> list[int]:
         if self.ended:
             return []
         tokens: list[int] = []
         state = self._guide.get_state()
-        index = self._automaton.index
         while len(tokens) < max_tokens:
             forced = self._automaton.facts(state)[0]
             if forced is None:
                 break
             tokens.append(forced)
-            state = index.get_next_state(state, forced)
+            state = self._automaton.index.get_next_state(state, forced)
         return tokens
 
 

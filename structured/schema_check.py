@@ -65,8 +65,7 @@ def check_constraint(spec: Constraint) -> Plan:
     if spec.kind == "json_object":
         return Plan("llguidance", _json_grammar({"type": "object"}, spec), "response_format")
     if spec.kind == "regex":
-        check_regex(spec.value)
-        return Plan("outlines", spec.value, "regex")
+        return Plan("outlines", check_regex(spec.value), "regex")
     if spec.kind == "choice":
         return Plan("outlines", choice_regex(spec.value), "choice")
     if spec.kind == "grammar":
@@ -194,14 +193,26 @@ def _explain_json_error(message: str) -> str:
 
 # ---- regex and choice ---------------------------------------------------------------------------
 
-def check_regex(pattern: str, param: str = "regex") -> None:
+def check_regex(pattern: str, param: str = "regex") -> str:
     """Refuse what the regex backends cannot do: look-around, back-references, a leading `^` or `\\A`
-    (the whole output is matched anyway), and syntax errors (Rust `regex` syntax)."""
+    (the whole output is matched anyway), and syntax errors (Rust `regex` syntax). Returns the
+    pattern without a trailing `$` or `\\z`, which say nothing when the whole output must match."""
     problem = _regex_problem(pattern)
     if problem:
         raise ConstraintError(f"regex {pattern!r}: {problem}", param)
     _validate(LLMatcher.grammar_from_regex(pattern), param,
               lambda m: f"invalid regex {pattern!r}: {m}")
+    return _strip_end_anchor(pattern)
+
+
+def _strip_end_anchor(rx: str) -> str:
+    for anchor in ("$", "\\z"):
+        if rx.endswith(anchor):
+            body = rx[:-len(anchor)]
+            escapes = len(body) - len(body.rstrip("\\"))
+            if escapes % 2 == 0:  # the anchor itself is not escaped
+                return body
+    return rx
 
 
 def _regex_problem(rx: str) -> str | None:

@@ -28,6 +28,9 @@ if TYPE_CHECKING:
     import outlines_core
     import tokenizers
 
+# Two noncharacters (U+10FFFF U+10FFFE) that end every outlines-core regex; see structured/guide.py.
+OUTLINES_SENTINEL = "\U0010FFFF\U0010FFFE".encode("utf-8")
+
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 _SPIECE_SPACE = "\u2581"  # ▁
 
@@ -153,16 +156,23 @@ class Vocabulary:
         """int32 words per bitmask row: ceil(size / 32)."""
         return (self.size + 31) // 32
 
+    @property
+    def outlines_sentinel_id(self) -> int:
+        """The id of the sentinel token in `outlines` (see structured/guide.py): past every bitmask
+        bit, so outlines-core never writes it into a mask row."""
+        return self.bitmask_words * 32
+
     @cached_property
     def outlines(self) -> "outlines_core.Vocabulary":
-        """outlines-core's vocabulary: bytes keys, the primary EOS; other EOS ids are added to
-        masks by the guide."""
+        """outlines-core's vocabulary: bytes keys, the primary EOS, plus the sentinel token. Other EOS
+        ids are added to masks by the guide."""
         import outlines_core
 
         by_bytes: dict[bytes, list[int]] = {}
         for i, b in enumerate(self.token_bytes):
-            if b:
+            if b and OUTLINES_SENTINEL not in b:
                 by_bytes.setdefault(b, []).append(i)
+        by_bytes[OUTLINES_SENTINEL] = [self.outlines_sentinel_id]
         return outlines_core.Vocabulary(self.eos_token_id, by_bytes)
 
     @cached_property

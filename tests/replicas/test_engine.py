@@ -13,13 +13,15 @@ from replicas.embedded import EMBEDDED_MODEL_ID
 from replicas.request import EngineError, GenerateRequest, SamplingParams
 
 
+NGRAM = "replicas.logits_processors:NoRepeatNGram"
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
 @pytest.fixture(scope="module")
 def server() -> LLMServer:
     return LLMServer(ReplicaConfig(model=EMBEDDED_MODEL_ID, max_model_len=512, kv_cache_gib=0.05,
-                                   max_num_seqs=32, max_num_batched_tokens=256, block_size=8))
+                                   max_num_seqs=32, max_num_batched_tokens=256, block_size=8,
+                                   logits_processors=(NGRAM,)))
 
 
 async def _collect(server: LLMServer, req: GenerateRequest) -> dict[int, list]:
@@ -149,3 +151,15 @@ async def test_prefix_cache_reuses_full_blocks(server: LLMServer) -> None:
         max_tokens=2, temperature=0.0), cache_salt="tenant-b"))
     assert salted[0][0].num_cached_tokens == 0
     assert _tokens(salted[0]) == _tokens(b[0])
+
+
+async def test_allowlisted_logits_processor_applies(server: LLMServer) -> None:
+    prompt = _prompts(1, seed=8)[0]
+    params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True,
+                            logits_processors=((NGRAM, '{"n": 2}'),))
+    out = _tokens((await _collect(server, GenerateRequest("ngram", prompt, params)))[0])
+    bigrams = list(zip(out, out[1:]))
+    assert len(bigrams) == len(set(bigrams))
+    with pytest.raises(EngineError):
+        await _collect(server, GenerateRequest("bad-proc", prompt, SamplingParams(
+            max_tokens=2, logits_processors=(("os:system", "{}"),))))

@@ -83,11 +83,16 @@ def test_regex_refusals(rx, why):
     assert why in error.message and error.param == "regex"
 
 
-@pytest.mark.parametrize("rx", [r"\(?=a\)", r"[(?=]+", r"[]^]x", r"a\^b", r"(?<name>a)b", r"x\d{3}$",
-                                r"[[a-z]&&[^b]]"])
+@pytest.mark.parametrize("rx", [r"\(?=a\)", r"[(?=]+", r"[]^]x", r"a\^b", r"(?<name>a)b", r"a\$",
+                                r"[[a-z]&&[^b]]", r"x\\"])
 def test_regex_lookalikes_pass(rx):
     plan = check_constraint(Constraint("regex", rx))
     assert plan.backend == "outlines" and plan.source == rx
+
+
+@pytest.mark.parametrize("rx, source", [(r"x\d{3}$", r"x\d{3}"), (r"ab\z", "ab"), (r"a\\$", r"a\\")])
+def test_trailing_end_anchor_is_dropped(rx, source):
+    assert check_constraint(Constraint("regex", rx)).source == source
 
 
 def test_choice():
