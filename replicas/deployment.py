@@ -151,6 +151,7 @@ class LLMServer:
     def info(self) -> dict:
         return {"model_path": str(self.model_path), "max_model_len": self.max_model_len,
                 "vocab_size": self.vocab_size, "dtype": self.dtype,
+                "shard_num_parameters": self.engine.executor.shard_sizes(),
                 "config": asdict(self.config)}
 
     def stats(self) -> dict:

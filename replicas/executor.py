@@ -17,6 +17,8 @@ from replicas.worker import ShardWorker, WorkerConfig
 class Executor(Protocol):
     def execute(self, step: StepInput) -> StepOutput: ...
 
+    def shard_sizes(self) -> list[int]: ...
+
     def check_health(self) -> None: ...
 
     def shutdown(self) -> None: ...
@@ -28,6 +30,9 @@ class InProcessExecutor:
 
     def execute(self, step: StepInput) -> StepOutput:
         return self.worker.execute(step)  # type: ignore[return-value]  # rank 0 always answers
+
+    def shard_sizes(self) -> list[int]:
+        return [self.worker.num_parameters()]
 
     def check_health(self) -> None:
         return None
@@ -65,6 +70,9 @@ class RayExecutor:
         refs = [w.execute.remote(step) for w in self.workers]
         outs = ray.get(refs)
         return outs[0]
+
+    def shard_sizes(self) -> list[int]:
+        return ray.get([w.num_parameters.remote() for w in self.workers])
 
     def check_health(self) -> None:
         ray.get([w.ping.remote() for w in self.workers], timeout=30)

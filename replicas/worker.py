@@ -63,3 +63,7 @@ class ShardWorker:
 
     def ping(self) -> int:
         return os.getpid()
+
+    def num_parameters(self) -> int:
+        """Elements of the weights this rank holds (its shard)."""
+        return sum(p.numel() for p in self.runner.model.parameters())

@@ -35,6 +35,7 @@ def replica_options(model: ModelConfig) -> dict[str, Any]:
         options["placement_group_bundles"] = ([{"CPU": model.replica_num_cpus}]
                                               + [shard] * model.tensor_parallel_size)
         options["placement_group_strategy"] = model.placement_group_strategy
+        options["ray_actor_options"] = {"num_cpus": model.replica_num_cpus}
     else:
         options["ray_actor_options"] = {"num_cpus": model.replica_num_cpus,
                                         "num_gpus": model.shard_num_gpus}

@@ -21,7 +21,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:
     import llguidance
@@ -177,12 +177,23 @@ class Vocabulary:
 
     @cached_property
     def llguidance(self) -> "llguidance.LLTokenizer":
-        """llguidance's tokenizer over the same token bytes (so both backends agree on what every
-        token is, non-special added tokens like `<tool_call>` included), sized to the logits width.
-        Special tokens are `\\xff<name>` as llguidance expects; padded ids are empty."""
+        """llguidance's tokenizer over our token bytes, so both backends agree on what every token is
+        (llguidance's own loader would make non-special added tokens like `<tool_call>` special and
+        unusable as text). Sized to the logits width; special tokens are `\\xff<name>` as llguidance
+        expects, padded ids empty. Text is encoded by llguidance's own loader of the tokenizer.json
+        (used only to tokenize forced text for jump-forward), which knows how to skip the prefix
+        space that sentencepiece-style normalizers add."""
         import llguidance
 
-        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_LLGuidanceSource(self)),
+        try:
+            encoder = llguidance.LLTokenizer(self.tokenizer_json, n_vocab=self.size,
+                                             eos_token=list(self.eos_token_ids))
+            encode = encoder.tokenize_bytes
+        except Exception:  # a tokenizer llguidance cannot load: encode with `tokenizers` instead
+            tokenizer = self.tokenizer
+            encode = lambda b: tokenizer.encode(  # noqa: E731
+                b.decode("utf-8", errors="replace"), add_special_tokens=False).ids
+        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_LLGuidanceSource(self, encode)),
                                       n_vocab=self.size, eos_token=list(self.eos_token_ids))
 
     @cached_property
@@ -200,10 +211,9 @@ class Vocabulary:
 
 
 class _LLGuidanceSource:
-    """What llguidance.TokenizerWrapper reads: token bytes, specials, and an encoder (used only to
-    tokenize forced text canonically)."""
+    """What llguidance.TokenizerWrapper reads: token bytes, special ids, and an encoder of bytes."""
 
-    def __init__(self, vocab: Vocabulary) -> None:
+    def __init__(self, vocab: Vocabulary, encode: Callable[[bytes], list[int]]) -> None:
         self.eos_token_id = vocab.eos_token_id
         self.bos_token_id = None
         self.tokens = [
@@ -212,9 +222,7 @@ class _LLGuidanceSource:
             for i, b in enumerate(vocab.token_bytes)
         ] + [b""] * (vocab.size - len(vocab.token_bytes))
         self.special_token_ids = [i for i, b in enumerate(vocab.token_bytes) if b is None]
-        self._tokenizer = vocab.tokenizer
+        self._encode = encode
 
     def __call__(self, text: bytes | str) -> list[int]:
-        if isinstance(text, bytes):
-            text = text.decode("utf-8", errors="replace")
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+        return self._encode(text.encode("utf-8") if isinstance(text, str) else text)

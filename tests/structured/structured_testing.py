@@ -65,7 +65,11 @@ def byte_fallback_tokenizer() -> Tokenizer:
 
 
 def encode(tok: Tokenizer, text: str) -> list[int]:
-    return tok.encode(text, add_special_tokens=False).ids
+    """Token ids of text as a model would write it (without the sentencepiece prefix space)."""
+    ids = tok.encode(text, add_special_tokens=False).ids
+    if ids and not text.startswith(" ") and tok.id_to_token(ids[0]) == "▁":
+        ids = ids[1:]
+    return ids
 
 
 def allowed(mask_row, token_id: int) -> bool:
