@@ -10,6 +10,7 @@ from typing import Any
 
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from replicas.deployment import LLMReplica
 from serve_app.config import AppConfig, ModelConfig
@@ -21,8 +22,13 @@ def replica_deployment_name(model: ModelConfig) -> str:
 
 
 def replica_options(model: ModelConfig) -> dict[str, Any]:
-    options: dict[str, Any] = {"name": replica_deployment_name(model),
-                               "max_ongoing_requests": model.max_ongoing_requests}
+    options: dict[str, Any] = {
+        "name": replica_deployment_name(model),
+        "max_ongoing_requests": model.max_ongoing_requests,
+        "request_router_config": RequestRouterConfig(
+            request_router_class="replicas.router:PrefixAffinityRouter",
+            request_router_kwargs={"imbalance": model.routing_imbalance}),
+    }
     if model.autoscaling_config is not None:
         options["autoscaling_config"] = model.autoscaling_config.model_dump()
     else:

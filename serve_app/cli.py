@@ -1,4 +1,5 @@
-"""The `shardserve` command: `serve` starts Ray and the Serve application; `bench` runs benchmarks."""
+"""The `shardserve` command: `serve` starts Ray and the Serve application; `bench` runs benchmarks;
+`batch` runs an OpenAI batch file through a live server (serve_app/batch.py)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--logits-processors", nargs="*", help="allowlisted processor names")
     p.add_argument("--ray-address", help="connect to a running cluster instead of starting Ray")
     p.add_argument("--num-cpus", type=float, help="logical CPUs for a local Ray instance")
+    p.add_argument("--detach", action="store_true",
+                   help="with --ray-address: deploy (or update) the app, then exit and leave it "
+                        "running (e.g. from `ray job submit`)")
 
 
 def config_from_args(args: argparse.Namespace):
@@ -81,6 +85,11 @@ def serve_main(args: argparse.Namespace) -> int:
     from serve_app.app import build_app
 
     config = config_from_args(args)
+    if args.detach and not args.ray_address:
+        # a local Ray instance dies with this process, so there would be nothing left serving
+        print("shardserve serve: --detach needs --ray-address (a cluster that outlives this "
+              "command)", file=sys.stderr)
+        return 2
     if args.ray_address:
         ray.init(address=args.ray_address)
     else:
@@ -90,6 +99,12 @@ def serve_main(args: argparse.Namespace) -> int:
     started = time.monotonic()
     serve.run(build_app(config), name="shardserve", route_prefix="/", blocking=False)
     names = ", ".join(m.name for m in config.models)
+    if args.detach:
+        # serve.run returned once the app was RUNNING; it is the cluster's now (`serve status`,
+        # `serve shutdown`), so no serve.shutdown() here
+        print(f"shardserve: deployed {names} (port {config.port}) in "
+              f"{time.monotonic() - started:.1f} s; detached", flush=True)
+        return 0
     print(f"shardserve: serving {names} at http://{config.host}:{config.port}/v1 "
           f"(ready in {time.monotonic() - started:.1f} s; Ctrl-C stops)", flush=True)
     stop = False
@@ -117,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         add_bench_parser(sub)
     except ImportError:
         pass
+    from serve_app.batch import add_batch_parser
+    add_batch_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve_main(args)

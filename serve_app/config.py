@@ -42,6 +42,9 @@ class ModelConfig(BaseModel):
     shard_num_gpus: float = Field(0.0, ge=0)
     placement_group_strategy: str = Field("STRICT_PACK", pattern="^(STRICT_PACK|PACK|SPREAD|STRICT_SPREAD)$")
     max_ongoing_requests: int = Field(256, ge=1)
+    # prefix-aware routing keeps a request on the replica with its prefix unless that replica
+    # has this many more requests in flight than the least loaded one
+    routing_imbalance: int = Field(8, ge=0)
 
     @property
     def name(self) -> str:

@@ -100,16 +100,18 @@ class Guide(ABC):
 #
 # outlines-core 0.2.14 drops a token when the text before its last byte completes the regex and the
 # whole token does not (regex-automata reports matches one byte late): after "12" under
-# `[0-9]+(\.[0-9]+)?` the token "." is missing, so decimals can never be written; a lone UTF-8 lead
-# byte (byte-fallback `<0xE6>`) after a complete match is missing, so such characters cannot be
-# written either. We compile R as `(?:R)` + two noncharacters instead, with a sentinel token spelling
-# them: no text the model writes completes that regex, so no token is dropped. The output so far
-# completes R exactly when the sentinel token leads to a final state. The sentinel's id lies past
-# every bitmask bit, so it never reaches a mask; EOS bits are set by the guide.
+# `[0-9]+(\.[0-9]+)?` the token "." is missing, so decimals can never be written; after a complete
+# match a lone UTF-8 lead byte (byte-fallback `<0xE6>`) is missing, so characters without a merged
+# token cannot be written either. So we compile R as `(?:R)` + U+10FFFF with a sentinel token
+# spelling U+10FFFF, and no regular token holding its lead byte 0xF4 (see vocabulary.py): no text
+# the model writes completes that regex, so no token is dropped, and the sentinel is unreachable
+# without the sentinel token. The output so far matches R exactly when the sentinel token leads to a
+# final state. The sentinel's id lies past every bitmask bit, so it never reaches a mask; EOS bits
+# are set by the guide.
 
 def outlines_regex(regex: str) -> str:
     """The regex outlines-core compiles for `regex` (whole-output match semantics)."""
-    return f"(?:{regex})\\x{{10FFFF}}\\x{{10FFFE}}"
+    return f"(?:{regex})\\x{{10FFFF}}"
 
 
 class OutlinesAutomaton:

@@ -176,7 +176,7 @@ def _json_grammar(schema: dict[str, Any], spec: Constraint) -> str:
 
 def _explain_json_error(message: str) -> str:
     if "Unimplemented keys:" in message:
-        keys = message.split("Unimplemented keys:", 1)[1].strip().splitlines()[0]
+        keys = _first_line(message.split("Unimplemented keys:", 1)[1])
         try:
             names = ", ".join(f"'{k}'" for k in json.loads(keys))
         except ValueError:
@@ -185,10 +185,15 @@ def _explain_json_error(message: str) -> str:
     if "oneOf constraints are not supported" in message:
         return ("JSON schema keyword 'oneOf' is only supported when its alternatives provably "
                 "exclude each other; use 'anyOf'")
-    if message.startswith("Unknown format:") or "Unknown format:" in message:
-        fmt = message.split("Unknown format:", 1)[1].strip().splitlines()[0]
+    if "Unknown format:" in message:
+        fmt = _first_line(message.split("Unknown format:", 1)[1])
         return f"JSON schema keyword 'format' with value '{fmt}' is not supported"
     return f"unsupported JSON schema: {message}"
+
+
+def _first_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[0] if lines else ""
 
 
 # ---- regex and choice ---------------------------------------------------------------------------

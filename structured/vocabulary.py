@@ -28,8 +28,11 @@ if TYPE_CHECKING:
     import outlines_core
     import tokenizers
 
-# Two noncharacters (U+10FFFF U+10FFFE) that end every outlines-core regex; see structured/guide.py.
-OUTLINES_SENTINEL = "\U0010FFFF\U0010FFFE".encode("utf-8")
+# The noncharacter U+10FFFF ends every outlines-core regex (see structured/guide.py). Its lead byte
+# 0xF4 only starts the private-use plane 16, so tokens holding it are left out of outlines-core's
+# vocabulary: then no text the model writes can spell the sentinel.
+OUTLINES_SENTINEL = "\U0010FFFF".encode("utf-8")
+_SENTINEL_LEAD = OUTLINES_SENTINEL[:1]
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 _SPIECE_SPACE = "\u2581"  # ▁
@@ -164,13 +167,14 @@ class Vocabulary:
 
     @cached_property
     def outlines(self) -> "outlines_core.Vocabulary":
-        """outlines-core's vocabulary: bytes keys, the primary EOS, plus the sentinel token. Other EOS
-        ids are added to masks by the guide."""
+        """outlines-core's vocabulary: bytes keys, the primary EOS, the sentinel token, and no token
+        holding byte 0xF4 (plane-16 private-use characters cannot be written under outlines-core
+        constraints). Other EOS ids are added to masks by the guide."""
         import outlines_core
 
         by_bytes: dict[bytes, list[int]] = {}
         for i, b in enumerate(self.token_bytes):
-            if b and OUTLINES_SENTINEL not in b:
+            if b and _SENTINEL_LEAD not in b:
                 by_bytes.setdefault(b, []).append(i)
         by_bytes[OUTLINES_SENTINEL] = [self.outlines_sentinel_id]
         return outlines_core.Vocabulary(self.eos_token_id, by_bytes)

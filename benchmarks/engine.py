@@ -1,0 +1,119 @@
+"""`bench engine`: offline throughput of the engine alone (no HTTP, no Ray Serve), in the shape of
+nano-vllm's bench (sequences with input and output lengths uniform in a range, seed 0,
+ignore_eos), plus two yardsticks measured in the same run on the same weights:
+
+- the roofline: the time of one decode step's matrix products alone at the batch size, with
+  torch's own kernels (the floor for a step of this model on this machine), and
+- a single-stream pass: one matrix-vector pass over every weight (the floor for TPOT at batch 1)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from replicas.deployment import LLMServer, ReplicaConfig
+from replicas.embedded import BENCH_MODEL_ID
+from replicas.request import GenerateRequest, SamplingParams
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=BENCH_MODEL_ID)
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--min-input-len", type=int, default=100)
+    p.add_argument("--max-input-len", type=int, default=1024)
+    p.add_argument("--min-output-len", type=int, default=100)
+    p.add_argument("--max-output-len", type=int, default=1024)
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="multiply counts and lengths (e.g. 0.125 on a CPU)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--kv-cache-gib", type=float, default=4.0)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--num-threads", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--result-json", type=Path)
+
+
+def roofline_step_s(server: LLMServer, batch: int, repeats: int = 5) -> float:
+    """Time of the matrix products of one decode step at `batch` rows, with torch's kernels."""
+    model = server.engine.executor.worker.runner.model  # type: ignore[attr-defined]
+    weights = [m.weight for m in model.modules() if hasattr(m, "weight")
+               and m.weight is not None and m.weight.dim() == 2
+               and m is not model.embed_tokens]
+    x = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights}
+    for w in weights:  # warm-up
+        torch.nn.functional.linear(x[w.shape[1]], w)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for w in weights:
+            torch.nn.functional.linear(x[w.shape[1]], w)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+async def _run(server: LLMServer, reqs: list[GenerateRequest]) -> float:
+    async def one(r: GenerateRequest) -> None:
+        async for _ in server.generate(r):
+            pass
+    start = time.perf_counter()
+    await asyncio.gather(*(one(r) for r in reqs))
+    return time.perf_counter() - start
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    s = args.scale
+    n = max(1, int(args.num_seqs * s))
+    rng = random.Random(args.seed)
+    lens = [(rng.randint(int(args.min_input_len * s), int(args.max_input_len * s)),
+             rng.randint(int(args.min_output_len * s), int(args.max_output_len * s)))
+            for _ in range(n)]
+    max_len = max(i + o for i, o in lens) + 1
+    server = LLMServer(ReplicaConfig(
+        model=args.model, max_model_len=max_len, dtype=args.dtype,
+        kv_cache_gib=args.kv_cache_gib, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.num_threads))
+    vocab = min(server.vocab_size, 3900)
+    reqs = [GenerateRequest(f"b{k}", tuple(rng.randrange(10, vocab) for _ in range(i)),
+                            SamplingParams(max_tokens=o, temperature=0.6, ignore_eos=True))
+            for k, (i, o) in enumerate(lens)]
+    asyncio.run(_run(server, [GenerateRequest("warm", (11, 12, 13), SamplingParams(
+        max_tokens=4, ignore_eos=True))]))
+    steps0 = server.engine.stats.num_steps
+    elapsed = asyncio.run(_run(server, reqs))
+    out_tokens = sum(o for _, o in lens)
+    in_tokens = sum(i for i, _ in lens)
+    batch = min(n, args.max_num_seqs)
+    roof = roofline_step_s(server, batch)
+    single = roofline_step_s(server, 1)
+    result = {
+        "model": args.model, "dtype": server.dtype, "num_seqs": n,
+        "input_tokens": in_tokens, "output_tokens": out_tokens, "elapsed_s": elapsed,
+        "output_tokens_per_s": out_tokens / elapsed,
+        "total_tokens_per_s": (in_tokens + out_tokens) / elapsed,
+        "steps": server.engine.stats.num_steps - steps0,
+        "roofline_decode_step_ms_at_batch": roof * 1e3, "roofline_batch": batch,
+        "roofline_decode_tokens_per_s": batch / roof,
+        "single_stream_pass_ms": single * 1e3,
+        "threads": torch.get_num_threads(),
+    }
+    result["fraction_of_roofline"] = result["output_tokens_per_s"] / result[
+        "roofline_decode_tokens_per_s"]
+    return result
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    result = run(args)
+    width = max(len(k) for k in result)
+    for k, v in result.items():
+        print(f"{k:<{width}}  {v:.2f}" if isinstance(v, float) else f"{k:<{width}}  {v}")
+    if args.result_json:
+        args.result_json.write_text(json.dumps(result, indent=2))
+    return 0
