@@ -72,6 +72,15 @@ def resolve_dtype(name: str, hf_config) -> str:
     return dtype if dtype in ("float32", "bfloat16", "float16") else "float32"
 
 
+def _shard_name_prefix() -> str | None:
+    """Names shard actors after their Serve replica, so operators (and tests) can find them."""
+    try:
+        ctx = serve.get_replica_context()
+    except Exception:  # not inside a Serve replica
+        return None
+    return f"shard-{ctx.replica_id.unique_id}" if ctx is not None else None
+
+
 def _tokenizer_size(path: Path) -> int | None:
     file = path / "tokenizer.json"
     if not file.exists():
@@ -117,7 +126,8 @@ class LLMServer:
         if config.tensor_parallel_size == 1:
             executor = InProcessExecutor(worker_config)
         else:
-            executor = RayExecutor(worker_config, config.shard_num_cpus, config.shard_num_gpus)
+            executor = RayExecutor(worker_config, config.shard_num_cpus, config.shard_num_gpus,
+                                   name_prefix=_shard_name_prefix())
         self.model_path = path
         self.vocab_size = int(hf_config.vocab_size)
         self.max_model_len = max_len
@@ -178,4 +188,7 @@ class LLMReplica:
         return self.server.stats()
 
     def check_health(self) -> None:
-        self.server.engine.executor.check_health()
+        engine = self.server.engine
+        if engine.failed is not None:
+            raise RuntimeError(f"engine failed: {engine.failed}")
+        engine.executor.check_health()

@@ -74,9 +74,13 @@ class Engine:
         self._aborted: set[str] = set()
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
+        self.failed: str | None = None  # set when a step fails: the shards may be gone
 
     # ---- requests in and out -------------------------------------------------------------------
     def add(self, request: GenerateRequest) -> asyncio.Queue[TokenBatch | BaseException]:
+        if self.failed is not None:
+            raise EngineError(f"the model replica failed and is being replaced: {self.failed}",
+                              status=503, type_="ServiceUnavailableError")
         if request.request_id in self._requests:
             raise EngineError(f"request id {request.request_id!r} is already running",
                               param="request_id")
@@ -162,10 +166,24 @@ class Engine:
             try:
                 out = await asyncio.to_thread(self.executor.execute, self._step_input(scheduled))
                 self._postprocess(scheduled, out)
-            except Exception as exc:  # a bug or a dead worker: fail this batch, keep serving
+            except Exception as exc:
                 logger.exception("engine step failed")
-                for s in scheduled:
-                    self._fail(s.seq.request_id, exc)
+                await self._on_step_failure(exc, scheduled)
+
+    async def _on_step_failure(self, exc: Exception, scheduled: list[ScheduledSeq]) -> None:
+        """A dead shard fails every request and the replica (Serve replaces it); anything else
+        fails only the requests of the batch that hit it."""
+        try:
+            await asyncio.to_thread(self.executor.check_health)
+        except Exception as health_exc:
+            self.failed = f"{type(health_exc).__name__}: {health_exc}"
+            error = EngineError(f"the model replica failed: {self.failed}", status=503,
+                                type_="ServiceUnavailableError")
+            for request_id in list(self._requests):
+                self._fail(request_id, error)
+            return
+        for s in scheduled:
+            self._fail(s.seq.request_id, exc)
 
     def _reap_aborted(self) -> None:
         for request_id in self._aborted:

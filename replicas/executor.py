@@ -41,6 +41,9 @@ class InProcessExecutor:
         return None
 
 
+STEP_TIMEOUT_S = 120.0
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -52,7 +55,7 @@ class RayExecutor:
     itself); child actors are not captured by the group implicitly, so each is placed by index."""
 
     def __init__(self, config: WorkerConfig, num_cpus_per_worker: float,
-                 num_gpus_per_worker: float) -> None:
+                 num_gpus_per_worker: float, name_prefix: str | None = None) -> None:
         pg = get_current_placement_group()
         host = ray.util.get_node_ip_address()
         dist_init = f"tcp://{host}:{_free_port()}"
@@ -60,6 +63,8 @@ class RayExecutor:
         self.workers = []
         for rank in range(config.tp_size):
             options: dict = {"num_cpus": num_cpus_per_worker, "num_gpus": num_gpus_per_worker}
+            if name_prefix:
+                options["name"] = f"{name_prefix}-rank{rank}"
             if pg is not None:
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=rank + 1)
@@ -68,8 +73,15 @@ class RayExecutor:
 
     def execute(self, step: StepInput) -> StepOutput:
         refs = [w.execute.remote(step) for w in self.workers]
-        outs = ray.get(refs)
-        return outs[0]
+        # results are taken as they come, so a dead rank fails the step at once instead of
+        # leaving rank 0 waiting in a collective for its peer
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=STEP_TIMEOUT_S)
+            if not ready:
+                raise TimeoutError(f"a shard worker did not finish a step in {STEP_TIMEOUT_S} s")
+            ray.get(ready[0])
+        return ray.get(refs[0])
 
     def shard_sizes(self) -> list[int]:
         return ray.get([w.num_parameters.remote() for w in self.workers])

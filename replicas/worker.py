@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -39,8 +40,9 @@ class ShardWorker:
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         if config.tp_size > 1:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
+            # a bounded timeout: a rank whose peer died must fail, not wait for 30 minutes
             dist.init_process_group(backend, init_method=dist_init, rank=rank,
-                                    world_size=config.tp_size)
+                                    world_size=config.tp_size, timeout=timedelta(seconds=60))
         hf_config = AutoConfig.from_pretrained(config.model_path)
         dtype = torch_dtype(config.dtype)
         previous = torch.get_default_dtype()

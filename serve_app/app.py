@@ -25,6 +25,7 @@ def replica_options(model: ModelConfig) -> dict[str, Any]:
     options: dict[str, Any] = {
         "name": replica_deployment_name(model),
         "max_ongoing_requests": model.max_ongoing_requests,
+        "health_check_period_s": model.health_check_period_s,
         "request_router_config": RequestRouterConfig(
             request_router_class="replicas.router:PrefixAffinityRouter",
             request_router_kwargs={"imbalance": model.routing_imbalance}),

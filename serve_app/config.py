@@ -45,6 +45,7 @@ class ModelConfig(BaseModel):
     # prefix-aware routing keeps a request on the replica with its prefix unless that replica
     # has this many more requests in flight than the least loaded one
     routing_imbalance: int = Field(8, ge=0)
+    health_check_period_s: float = Field(10.0, gt=0)
 
     @property
     def name(self) -> str:

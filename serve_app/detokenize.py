@@ -3,7 +3,12 @@
 UTF-8 safety comes from `tokenizers`' DecodeStream (it holds a token back while it ends inside a
 multi-byte character). Stop strings can span token boundaries, so text that could still be the
 start of a stop string is held back until the next tokens decide it; once a stop string appears,
-output is cut before it (or after it, with include_stop_str_in_output) and generation should end."""
+output is cut before it (or after it, with include_stop_str_in_output) and generation should end.
+
+When generation ends inside a multi-byte character, `flush` releases those bytes as U+FFFD, as a
+whole-sequence decode would. With `skip_special_tokens` off, `spaces_between_special_tokens`
+(vLLM's switch) joins every added/special token to its neighbouring text with one space; off, they
+are concatenated as they are."""
 
 from __future__ import annotations
 
@@ -22,13 +27,24 @@ class DetokenizedDelta:
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
                  stop: list[str] | None = None, include_stop_str_in_output: bool = False,
-                 prompt_tail: list[int] | None = None) -> None:
+                 prompt_tail: list[int] | None = None,
+                 spaces_between_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        # added tokens (special or not) by id: only needed to space them out
+        self.added: dict[int, str] = {}
+        if not skip_special_tokens and spaces_between_special_tokens:
+            self.added = {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items()}
+        self._last_kind: str | None = None  # "text" | "added": what the last emitted piece was
+        self._ids: list[int] = []
+        self._emitted = 0  # self._ids[:_emitted] are reflected in emitted text
         if prompt_tail:
             # sentencepiece-style decoders need the previous token to place a leading space
             for t in prompt_tail:
                 self.stream.step(tokenizer, t)
+            self._ids = list(prompt_tail)
+            self._emitted = len(self._ids)
         self.stop = [s for s in (stop or []) if s]
         self.include_stop = include_stop_str_in_output
         self.held = ""
@@ -45,15 +61,48 @@ class IncrementalDetokenizer:
                     break
         return longest
 
+    def _spaced(self, text: str, kind: str) -> str:
+        """vLLM's `" ".join(sub_texts)`: a space wherever an added token meets other output."""
+        if not text:
+            return ""
+        if self._last_kind is not None and "added" in (kind, self._last_kind):
+            text = " " + text
+        self._last_kind = kind
+        return text
+
+    def _step(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        piece = self.stream.step(self.tokenizer, token_id)
+        if piece is None:  # inside a multi-byte character (or a skipped special token)
+            return ""
+        self._emitted = len(self._ids)
+        if not self.added:
+            return piece
+        content = self.added.get(token_id)
+        if content is not None and piece.endswith(content):
+            # the piece may start with bytes held back before the added token
+            return (self._spaced(piece[: len(piece) - len(content)], "text")
+                    + self._spaced(content, "added"))
+        return self._spaced(piece, "text")
+
+    def _pending(self) -> str:
+        """The text of tokens DecodeStream still holds (an incomplete character) as U+FFFD."""
+        if self._emitted >= len(self._ids):
+            return ""
+        pending = self._ids[self._emitted:]
+        ctx = self._ids[self._emitted - 1: self._emitted] if self._emitted else []
+        skip = self.skip_special_tokens
+        full = self.tokenizer.decode(ctx + pending, skip_special_tokens=skip)
+        head = self.tokenizer.decode(ctx, skip_special_tokens=skip) if ctx else ""
+        text = (full[len(head):] if full.startswith(head)
+                else self.tokenizer.decode(pending, skip_special_tokens=skip))
+        self._emitted = len(self._ids)
+        return self._spaced(text, "text") if self.added else text
+
     def add(self, token_ids: list[int] | tuple[int, ...]) -> DetokenizedDelta:
         if self.stopped is not None:
             return DetokenizedDelta("", self.stopped)
-        new = []
-        for t in token_ids:
-            piece = self.stream.step(self.tokenizer, t)
-            if piece:
-                new.append(piece)
-        buf = self.held + "".join(new)
+        buf = self.held + "".join(self._step(t) for t in token_ids)
         if not self.stop:
             self.held = ""
             self.text += buf
@@ -77,7 +126,10 @@ class IncrementalDetokenizer:
         return DetokenizedDelta(out)
 
     def flush(self) -> str:
-        """Releases text held back for a possible stop string once generation has ended."""
-        out, self.held = self.held, ""
+        """Once generation has ended: releases text held back for a possible stop string and
+        the bytes of an unfinished character."""
+        if self.stopped is not None:
+            return ""
+        out, self.held = self.held + self._pending(), ""
         self.text += out
         return out

@@ -9,13 +9,51 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from serve_app.errors import APIError
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow", protected_namespaces=())
+    # NaN and ±Infinity (which Python's json accepts) are no valid value of any request field
+    model_config = ConfigDict(extra="allow", protected_namespaces=(), allow_inf_nan=False)
+
+
+def _param_path(path: list[str | int]) -> str | None:
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or None
+
+
+def _reject_unencodable(body: Any) -> Any:
+    """A lone surrogate (valid JSON "\\ud800", but no text) cannot be tokenized: a 400 that
+    names the field, not a 500 from the tokenizer. Iterative: depth was checked before."""
+    stack: list[tuple[Any, list[str | int]]] = [(body, [])]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError:
+                raise APIError("the string contains a lone UTF-16 surrogate, which is not valid "
+                               "Unicode text", param=_param_path(path)) from None
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                stack.append((k, path))
+                stack.append((v, [*path, str(k)]))
+        elif isinstance(node, list):
+            stack.extend((v, [*path, i]) for i, v in enumerate(node))
+    return body
+
+
+class _Request(_Open):
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_unicode(cls, data: Any) -> Any:
+        return _reject_unencodable(data)
 
 
 class _Strict(BaseModel):
@@ -128,7 +166,7 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 TokenId = Annotated[int, Field(ge=0)]
 
 
-class SamplingFields(_Open):
+class SamplingFields(_Request):
     """The sampling and output fields /v1/chat/completions and /v1/completions share."""
 
     model: str | None = None
@@ -234,7 +272,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=20)
 
 
-class TokenizeRequest(_Open):
+class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[Message] | None = None
@@ -247,7 +285,7 @@ class TokenizeRequest(_Open):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class DetokenizeRequest(_Open):
+class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[TokenId]
 

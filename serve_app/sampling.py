@@ -158,8 +158,15 @@ def constraint_of(request: SamplingFields) -> Constraint | None:
 def build(request: SamplingFields, *, prompt_len: int, limits: ServerLimits, tokenizer: Any,
           chat: bool) -> tuple[SamplingParams, OutputOptions]:
     max_tokens = request.max_tokens
-    if chat and isinstance(request, ChatCompletionRequest) and request.max_completion_tokens:
-        max_tokens = request.max_completion_tokens
+    max_param = "max_tokens"
+    if chat and isinstance(request, ChatCompletionRequest):
+        if request.max_completion_tokens:
+            max_tokens, max_param = request.max_completion_tokens, "max_completion_tokens"
+        if request.modalities and any(m != "text" for m in request.modalities):
+            raise APIError("audio output is not supported by this model: modalities may only "
+                           "be [\"text\"]", param="modalities")
+        if request.audio is not None:
+            raise APIError("audio output is not supported by this model", param="audio")
     room = limits.max_model_len - prompt_len
     if max_tokens is None:
         if room < 1:
@@ -172,7 +179,7 @@ def build(request: SamplingFields, *, prompt_len: int, limits: ServerLimits, tok
                        f"However, you requested {prompt_len + max_tokens} tokens ({prompt_len} "
                        f"in the {'messages' if chat else 'prompt'}, {max_tokens} in the "
                        "completion). Please reduce the length of the messages or completion.",
-                       param="max_tokens")
+                       param=max_param)
     temperature = 1.0 if request.temperature is None else request.temperature
     if request.n > limits.max_n:
         raise APIError(f"n must be at most {limits.max_n}", param="n")
@@ -193,7 +200,7 @@ def build(request: SamplingFields, *, prompt_len: int, limits: ServerLimits, tok
     if request.use_beam_search:
         raise APIError("beam search is not supported; use best_of", param="use_beam_search")
     if request.min_tokens > max_tokens:
-        raise APIError(f"min_tokens ({request.min_tokens}) must not exceed max_tokens "
+        raise APIError(f"min_tokens ({request.min_tokens}) must not exceed {max_param} "
                        f"({max_tokens})", param="min_tokens")
     if request.stream_options is not None and not request.stream:
         raise APIError("stream_options needs stream: true", param="stream_options")

@@ -5,6 +5,7 @@ calls, collect logprobs and usage. `ChoiceState` turns each `TokenBatch` of one 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,13 +30,70 @@ class ChoiceDelta:
     stop_reason: int | str | None = None
 
 
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's bytes_to_unicode, inverted: the character a byte-level BPE token uses per byte."""
+    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+          + list(range(ord("®"), ord("ÿ") + 1)))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_BYTE_LEVEL = _byte_level_decoder()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
 class TokenText:
-    """Renders token ids as the strings logprobs report (cached per id)."""
+    """Renders token ids as the strings logprobs report (cached per id), and their raw bytes: a
+    token that ends inside a multi-byte character reads as U+FFFD, but its `bytes` are its own,
+    so a client can join the bytes of consecutive tokens into the real text (as OpenAI's do)."""
 
     def __init__(self, tokenizer: Any, as_token_ids: bool) -> None:
         self.tokenizer = tokenizer
         self.as_ids = as_token_ids
         self.cache: dict[int, str] = {}
+        self.bytes_cache: dict[int, list[int]] = {}
+        self._added: dict[int, str] | None = None
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self._byte_level = "ByteLevel" in repr(decoder)
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        if self.as_ids:
+            return list(self(token_id).encode("utf-8"))
+        out = self.bytes_cache.get(token_id)
+        if out is None:
+            raw = self._raw_bytes(token_id)
+            out = list(raw if raw is not None else self(token_id).encode("utf-8", "replace"))
+            self.bytes_cache[token_id] = out
+        return out
+
+    def _raw_bytes(self, token_id: int) -> bytes | None:
+        if self._added is None:
+            try:
+                self._added = {i: str(getattr(t, "content", t)) for i, t in
+                               self.tokenizer.added_tokens_decoder.items()}
+            except AttributeError:
+                self._added = {}
+        if token_id in self._added:
+            return self._added[token_id].encode("utf-8")
+        try:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        except Exception:
+            return None
+        if not isinstance(piece, str):
+            return None
+        if self._byte_level:
+            try:
+                return bytes(_BYTE_LEVEL[c] for c in piece)
+            except KeyError:
+                return None
+        m = _BYTE_FALLBACK.fullmatch(piece)  # sentencepiece byte fallback
+        return bytes([int(m.group(1), 16)]) if m else None
 
     def __call__(self, token_id: int) -> str:
         if self.as_ids:
@@ -48,10 +106,10 @@ class TokenText:
 
     def entry(self, lp: TokenLogprob, top_n: int) -> LogprobEntry:
         def top(tid: int, value: float) -> TopLogprob:
-            s = self(tid)
-            return TopLogprob(token=s, logprob=_finite(value), bytes=list(s.encode("utf-8")))
-        s = self(lp.token_id)
-        return LogprobEntry(token=s, logprob=_finite(lp.logprob), bytes=list(s.encode("utf-8")),
+            return TopLogprob(token=self(tid), logprob=_finite(value),
+                              bytes=self.token_bytes(tid))
+        return LogprobEntry(token=self(lp.token_id), logprob=_finite(lp.logprob),
+                            bytes=self.token_bytes(lp.token_id),
                             top_logprobs=[top(t, v) for t, v in lp.top[:top_n]])
 
 
@@ -64,8 +122,11 @@ class ChoiceState:
                  parser: OutputParser, token_text: TokenText) -> None:
         self.index = index
         self.options = options
-        self.detok = IncrementalDetokenizer(fast_tokenizer, options.skip_special_tokens,
-                                            list(options.stop), options.include_stop_str_in_output)
+        self.detok = IncrementalDetokenizer(
+            fast_tokenizer, options.skip_special_tokens, list(options.stop),
+            options.include_stop_str_in_output,
+            spaces_between_special_tokens=options.spaces_between_special_tokens)
+        self.tokenizer = tokenizer
         self.parser = parser
         self.token_text = token_text
         self.token_ids: list[int] = []
@@ -94,7 +155,7 @@ class ChoiceState:
             self.prompt_logprobs = batch.prompt_logprobs
         delta = ChoiceDelta(self.index)
         ids = list(batch.token_ids)
-        text = self.detok.add(ids)
+        text = self.detok.add(ids[:-1] if self._ends_on_stop_token(batch) else ids)
         if text.stop is not None:
             self.finish_reason, self.stop_reason = "stop", text.stop
         elif batch.finish_reason is not None:
@@ -125,6 +186,18 @@ class ChoiceState:
                 self.finish_reason = "tool_calls"
             delta.finish_reason, delta.stop_reason = self.finish_reason, self.stop_reason
         return delta
+
+    def _ends_on_stop_token(self, batch: TokenBatch) -> bool:
+        """As vLLM: the text of the EOS or stop_token_ids token that ended the output is not part
+        of it (its id and logprob are), unless include_stop_str_in_output."""
+        if batch.finish_reason != "stop" or not batch.token_ids:
+            return False
+        if self.options.include_stop_str_in_output:
+            return False
+        last = batch.token_ids[-1]
+        if batch.stop_reason is not None:
+            return batch.stop_reason == last
+        return last in set(getattr(self.tokenizer, "all_special_ids", ()) or ())
 
     def score(self, length_penalty: float) -> float:
         """best_of ranking: cumulative logprob over length ** length_penalty."""

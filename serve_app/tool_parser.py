@@ -50,6 +50,7 @@ class OutputParser:
                                                              else "content")
         self.buf = ""
         self.tool_calls: list[ParsedToolCall] = []
+        self._after_think = False  # newlines right after </think> are dropped, however split
 
     def feed(self, text: str) -> ParsedDelta:
         self.buf += text
@@ -81,14 +82,20 @@ class OutputParser:
                 i = self.buf.find(THINK_CLOSE)
                 if i >= 0:
                     self._emit_reasoning(out, self.buf[:i])
-                    self.buf = self.buf[i + len(THINK_CLOSE):].lstrip("\n")
+                    self.buf = self.buf[i + len(THINK_CLOSE):]
                     self.state = "content"
+                    self._after_think = True
                     continue
                 keep = 0 if final else _partial_tag(self.buf, THINK_CLOSE)
                 self._emit_reasoning(out, self.buf[: len(self.buf) - keep])
                 self.buf = self.buf[len(self.buf) - keep:]
                 return
             elif self.state == "content":
+                if self._after_think:
+                    self.buf = self.buf.lstrip("\n")
+                    if not self.buf:
+                        return  # only newlines so far: the next piece may bring more
+                    self._after_think = False
                 if not self.parse_tools:
                     out.content += self.buf
                     self.buf = ""

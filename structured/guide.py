@@ -230,4 +230,8 @@ class LLGuidanceGuide(Guide):
     def forced_tokens(self, max_tokens: int = DEFAULT_MAX_FORCED) -> list[int]:
         if self.ended or self._matcher.is_stopped():
             return []
+        # With no_forcing grammars (see schema_check.py) compute_ff_tokens() only answers once the
+        # forced bytes have been computed.
+        if not self._matcher.compute_ff_bytes():
+            return []
         return self._matcher.compute_ff_tokens()[:max_tokens]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
+import openai
 import pytest
 from openai import OpenAI
 
@@ -15,6 +18,7 @@ TP1, TP2 = "tiny", "tiny-tp2"
 def base_url() -> str:
     models = [{**SMALL_MODEL, "served_model_name": TP1, "num_threads": 1},
               {**SMALL_MODEL, "served_model_name": TP2, "tensor_parallel_size": 2,
+               "health_check_period_s": 2,
                "num_threads": 1, "replica_num_cpus": 0.5, "shard_num_cpus": 0.5}]
     with running_app({"models": models}) as url:
         yield url
@@ -58,3 +62,30 @@ def test_model_field_routes(base_url: str) -> None:
         "model": f"acme/{TP2}", "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": 3}, timeout=60)
     assert r.status_code == 200 and r.json()["model"] == TP2
+
+
+def test_killed_shard_actor_gets_the_replica_replaced(base_url: str) -> None:
+    import ray
+
+    client = OpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=90)
+    actors = sorted((a["name"], a["namespace"])
+                    for a in ray.util.list_named_actors(all_namespaces=True)
+                    if a["name"].startswith("shard-"))
+    assert len(actors) == 2
+    names = [name for name, _ in actors]
+    ray.kill(ray.get_actor(*actors[1]))
+    # the next requests fail fast (or succeed on a replacement), never hang
+    deadline = time.monotonic() + 120
+    ok = False
+    while time.monotonic() < deadline and not ok:
+        try:
+            r = client.chat.completions.create(
+                model=TP2, messages=[{"role": "user", "content": "hello"}], max_tokens=4)
+            ok = r.choices[0].finish_reason is not None
+        except (openai.APIStatusError, openai.APIConnectionError) as exc:
+            assert getattr(exc, "status_code", 503) in (500, 502, 503)
+            time.sleep(1)
+    assert ok
+    new = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+           if a["name"].startswith("shard-")]
+    assert len(new) == 2 and set(new).isdisjoint(names)
