@@ -1,10 +1,11 @@
 """JSON-schema coverage of structured/ on JSONSchemaBench: compile, then judge every test instance.
 
 For each schema: check and compile it (structured.schema_check + structured.compiler, with the time
-limit), then feed every test instance, serialized compactly, token by token through a guide exactly
-as the engine would: fill the bitmask row, check the token's bit, advance; at the end the output must
-be complete (EOS allowed). An instance is accepted when every token was allowed and the end was
-complete.
+limit), then feed every test instance token by token through a guide exactly as the engine would:
+fill the bitmask row, check the token's bit, advance; at the end the output must be complete (EOS
+allowed). An instance is accepted when every token was allowed and the end was complete. Instances
+are serialized with json.dumps(separators=(",", ":")), so non-ASCII characters come as \\u escapes;
+--utf8 writes them as UTF-8, as a model usually does.
 
 Outcomes per schema:
   pass      compiled, every valid instance accepted and every invalid one rejected
@@ -98,7 +99,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             compile_times.append(time.perf_counter() - started)
             wrong = []
             for test in data["tests"]:
-                text = json.dumps(test["data"], separators=(",", ":"), ensure_ascii=args.ascii)
+                text = json.dumps(test["data"], separators=(",", ":"), ensure_ascii=not args.utf8)
                 ids = tokenizer.encode(text, add_special_tokens=False).ids
                 accepted = judge_instance(compiled.new_guide(), mask, ids, mask_times)
                 if accepted != test["valid"]:
@@ -175,8 +176,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER, help="tokenizer.json")
     parser.add_argument("--limit", type=int, default=0, help="only the first N schemas (0: all)")
     parser.add_argument("--timeout", type=float, default=10.0, help="compile time limit, seconds")
-    parser.add_argument("--ascii", action="store_true",
-                        help="serialize instances with \\u escapes instead of UTF-8")
+    parser.add_argument("--utf8", action="store_true",
+                        help="serialize instances as UTF-8 (ensure_ascii=False) instead of json.dumps's "
+                             "default \\u escapes")
     parser.add_argument("--json-out", type=Path, help="write the summary and per-schema records here")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)

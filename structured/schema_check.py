@@ -153,7 +153,8 @@ def _close_objects(node: Any) -> Any:
 
 def json_options(spec: Constraint) -> dict[str, Any]:
     """llguidance JSON compile options for the spec's whitespace settings; never lenient."""
-    options: dict[str, Any] = {"lenient": False, "coerce_one_of": False}
+    options: dict[str, Any] = {"lenient": False, "coerce_one_of": False,
+                               "json_allow_general_unicode_escapes": True}
     if spec.disable_any_whitespace:
         options["whitespace_flexible"] = False
     else:
