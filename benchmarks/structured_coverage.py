@@ -42,7 +42,7 @@ def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def judge_instance(guide, mask, token_ids: list[int], mask_times: list[float]) -> bool:

@@ -33,16 +33,19 @@ class AttentionMetadata:
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [slots, Hkv, D]. Returns [T, H, D]."""
-    k_cache[meta.slot_mapping] = k
-    v_cache[meta.slot_mapping] = v
+    # index_copy_/index_select: much faster on CPU than advanced-index assignment and gather
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
     if meta.decode_token_index is not None:
-        qd = q[meta.decode_token_index].unsqueeze(2)  # [Bd, H, 1, D]
-        kd = k_cache[meta.decode_context_slots].transpose(1, 2)  # [Bd, Hkv, Kmax, D]
-        vd = v_cache[meta.decode_context_slots].transpose(1, 2)
+        slots = meta.decode_context_slots  # [Bd, Kmax]
+        shape = (*slots.shape, *k_cache.shape[1:])
+        qd = q.index_select(0, meta.decode_token_index).unsqueeze(2)  # [Bd, H, 1, D]
+        kd = k_cache.index_select(0, slots.flatten()).view(shape).transpose(1, 2)
+        vd = v_cache.index_select(0, slots.flatten()).view(shape).transpose(1, 2)
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale,
                                            enable_gqa=True)
-        out[meta.decode_token_index] = o.squeeze(2)
+        out.index_copy_(0, meta.decode_token_index, o.squeeze(2))
     for row in meta.prefill_rows:
         qp = q[row.start:row.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
         if row.context_slots is None:
@@ -51,8 +54,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale,
                                                enable_gqa=True)
         else:
-            kp = k_cache[row.context_slots].transpose(0, 1).unsqueeze(0)
-            vp = v_cache[row.context_slots].transpose(0, 1).unsqueeze(0)
+            kp = k_cache.index_select(0, row.context_slots).transpose(0, 1).unsqueeze(0)
+            vp = v_cache.index_select(0, row.context_slots).transpose(0, 1).unsqueeze(0)
             nq, nk = qp.shape[2], kp.shape[2]
             # query i sits at absolute position nk - nq + i and sees keys up to it
             mask = torch.ones(nq, nk, dtype=torch.bool).tril(diagonal=nk - nq)

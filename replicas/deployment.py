@@ -24,7 +24,11 @@ from replicas.engine import Engine, EngineConfig
 from replicas.logits_processors import load_factory
 from replicas.executor import InProcessExecutor, RayExecutor
 from replicas.model_files import resolve_model_path
-from replicas.request import GenerateRequest, TokenBatch
+from replicas.request import EngineError, GenerateRequest, TokenBatch
+from structured.compiler import Compiled, Compiler
+from structured.errors import ConstraintError
+from structured.spec import Constraint
+from structured.vocabulary import Vocabulary
 from replicas.worker import WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -47,6 +51,7 @@ class ReplicaConfig:
     shard_num_cpus: float = 0.5
     shard_num_gpus: float = 0.0
     logits_processors: tuple[str, ...] = ()  # the allowlist: qualified names
+    structured_timeout_s: float = 10.0
 
 
 def eos_token_ids(path: Path, hf_config) -> frozenset[int]:
@@ -128,6 +133,14 @@ class LLMServer:
         else:
             executor = RayExecutor(worker_config, config.shard_num_cpus, config.shard_num_gpus,
                                    name_prefix=_shard_name_prefix())
+        eos = eos_token_ids(path, hf_config)
+        tokenizer_file = path / "tokenizer.json"
+        # built once per replica, compiled against lazily: replicas that never see a
+        # constrained request never start compile workers
+        self.vocabulary = (Vocabulary.from_tokenizer(tokenizer_file, sorted(eos),
+                                                     int(hf_config.vocab_size))
+                           if tokenizer_file.exists() and eos else None)
+        self.compiler: Compiler | None = None
         self.model_path = path
         self.vocab_size = int(hf_config.vocab_size)
         self.max_model_len = max_len
@@ -137,11 +150,25 @@ class LLMServer:
                          config.max_num_batched_tokens, config.max_waiting,
                          config.enable_prefix_caching, config.priority_scheduling,
                          sampleable_vocab=_tokenizer_size(path)),
-            executor, eos_token_ids(path, hf_config),
+            executor, eos,
             {name: load_factory(name) for name in config.logits_processors})
 
+    async def _compile(self, constraint: Constraint) -> Compiled:
+        if self.compiler is None:
+            if self.vocabulary is None:
+                raise EngineError("structured outputs need the model's tokenizer.json",
+                                  param="response_format")
+            self.compiler = Compiler(self.vocabulary, timeout_s=self.config.structured_timeout_s)
+        try:
+            return await self.compiler.compile(constraint)
+        except ConstraintError as exc:
+            raise EngineError(exc.message, param=exc.param) from None
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[tuple[TokenBatch, ...]]:
-        queue = self.engine.add(request)
+        compiled = None
+        if request.constraint is not None:
+            compiled = await self._compile(request.constraint)
+        queue = self.engine.add(request, compiled)
         remaining = request.n
         try:
             while remaining:

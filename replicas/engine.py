@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from replicas.executor import Executor
+from structured import bitmask as bitmask_lib
 from replicas.kv_cache import BlockManager
 from replicas.model_runner import RowInput, StepInput, StepOutput
 from replicas.request import (EngineError, GenerateRequest, Sequence, SequenceStatus, TokenBatch,
@@ -49,6 +50,7 @@ class EngineStats:
     prompt_tokens: int = 0  # computed (not cached) prompt tokens
     generation_tokens: int = 0
     preemptions: int = 0
+    forced_tokens: int = 0  # jump-forward: tokens appended without a decode step of their own
 
 
 class Engine:
@@ -77,7 +79,9 @@ class Engine:
         self.failed: str | None = None  # set when a step fails: the shards may be gone
 
     # ---- requests in and out -------------------------------------------------------------------
-    def add(self, request: GenerateRequest) -> asyncio.Queue[TokenBatch | BaseException]:
+    def add(self, request: GenerateRequest,
+            compiled: Any = None) -> asyncio.Queue[TokenBatch | BaseException]:
+        """Queues a request; `compiled` (a structured.compiler.Compiled) when it is constrained."""
         if self.failed is not None:
             raise EngineError(f"the model replica failed and is being replaced: {self.failed}",
                               status=503, type_="ServiceUnavailableError")
@@ -108,6 +112,10 @@ class Engine:
             if request.params.prompt_logprobs is not None:
                 seq.prompt_logprobs = [None]
             seq.logits_processors = self._build_processors(request)
+            if compiled is not None:
+                seq.guide = compiled.new_guide()
+                seq.guide_active = request.constraint_after is None
+                seq.constraint_after = request.constraint_after
             seqs.append(seq)
             self.scheduler.add(seq)
         queue: asyncio.Queue[TokenBatch | BaseException] = asyncio.Queue()
@@ -164,8 +172,16 @@ class Engine:
                 await asyncio.sleep(0.001)
                 continue
             try:
-                out = await asyncio.to_thread(self.executor.execute, self._step_input(scheduled))
-                self._postprocess(scheduled, out)
+                loop = asyncio.get_running_loop()
+                forward = loop.run_in_executor(None, self.executor.execute,
+                                               self._step_input(scheduled))
+                # the constraint masks of this step need only the tokens so far, so they are
+                # filled here while the forward runs in its thread
+                try:
+                    masks = self._fill_masks(scheduled)
+                finally:
+                    out = await forward
+                self._postprocess(scheduled, out, masks)
             except Exception as exc:
                 logger.exception("engine step failed")
                 await self._on_step_failure(exc, scheduled)
@@ -209,7 +225,18 @@ class Engine:
                                  seq.prompt_logprobs is not None and start < seq.num_prompt_tokens))
         return StepInput(tuple(rows))
 
-    def _postprocess(self, scheduled: list[ScheduledSeq], out: StepOutput) -> None:
+    def _fill_masks(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int]] | None:
+        sampling = [s.seq for s in scheduled if s.samples]
+        rows = [i for i, seq in enumerate(sampling) if seq.guide is not None and seq.guide_active]
+        if not rows:
+            return None
+        bitmask = bitmask_lib.allocate(len(sampling), sampling[rows[0]].guide.vocab.size)
+        for i in rows:
+            sampling[i].guide.fill_bitmask(bitmask, i)
+        return bitmask, rows
+
+    def _postprocess(self, scheduled: list[ScheduledSeq], out: StepOutput,
+                     masks: tuple[torch.Tensor, list[int]] | None = None) -> None:
         self.stats.num_steps += 1
         sampling: list[Sequence] = []
         for s, all_logits in zip(scheduled, out.all_logits):
@@ -228,14 +255,47 @@ class Engine:
             return
         if self.config.sampleable_vocab is not None:
             out.logits[:, self.config.sampleable_vocab:] = float("-inf")
-        result = sample(out.logits, sampling, self.eos_ids)
+        apply = None
+        if masks is not None:
+            bitmask, rows = masks
+            apply = lambda logits: bitmask_lib.apply_bitmask(logits, bitmask, rows)  # noqa: E731
+        result = sample(out.logits, sampling, self.eos_ids, apply)
         for seq, token, lp in zip(sampling, result.token_ids, result.logprobs):
             if seq.request_id in self._aborted or seq.is_finished:
                 continue
             self.stats.generation_tokens += 1
             seq.token_ids.append(token)
+            forced = self._advance_guide(seq, token) if seq.guide is not None else []
             self._check_stop(seq, token)
-            self._emit(seq, token, lp)
+            self._emit(seq, (token, *forced), lp)
+
+    def _advance_guide(self, seq: Sequence, token: int) -> list[int]:
+        """Moves the constraint past `token`; returns the tokens it then forces (jump-forward),
+        already appended to the sequence, which the scheduler computes like prompt tokens."""
+        guide = seq.guide
+        if not seq.guide_active:
+            seq.guide_active = token == seq.constraint_after
+            return []
+        if token in self.eos_ids:
+            seq.finish_reason = "stop"  # a guide never advances on EOS: it is the end
+            return []
+        try:
+            guide.advance(token)
+        except ValueError:  # a token the mask forbade: only a bug gets here; end this output
+            logger.exception("constrained sequence %s sampled a forbidden token", seq.request_id)
+            seq.finish_reason = "stop"
+            return []
+        forced: list[int] = []
+        room = seq.params.max_tokens - seq.num_output_tokens
+        if seq.params.logprobs is None and room > 0 and not guide.can_only_finish():
+            forced = guide.forced_tokens(room)
+            if forced:
+                guide.advance_many(forced)
+                seq.token_ids.extend(forced)
+                self.stats.forced_tokens += len(forced)
+        if guide.can_only_finish():
+            seq.finish_reason = "stop"
+        return forced
 
     def _prompt_logprobs(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
         # logits at position p score the token at p + 1; the first prompt token has none
@@ -249,7 +309,9 @@ class Engine:
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params
-        if seq.num_output_tokens >= p.min_tokens:
+        if seq.finish_reason is not None:  # the constraint ended the output
+            pass
+        elif seq.num_output_tokens >= p.min_tokens:
             if token in self.eos_ids and not p.ignore_eos:
                 seq.finish_reason = "stop"
             elif token in p.stop_token_ids:
@@ -261,13 +323,13 @@ class Engine:
             seq.status = SequenceStatus.FINISHED
             self.scheduler.remove(seq)
 
-    def _emit(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> None:
+    def _emit(self, seq: Sequence, tokens: tuple[int, ...], lp: TokenLogprob | None) -> None:
         queue = self._queues.get(seq.request_id)
         if queue is None:
             return
-        first = seq.num_output_tokens == 1
+        first = seq.num_output_tokens == len(tokens)
         queue.put_nowait(TokenBatch(
-            seq.choice_index, (token,), None if lp is None else (lp,), seq.finish_reason,
+            seq.choice_index, tokens, None if lp is None else (lp,), seq.finish_reason,
             seq.stop_reason, seq.num_prompt_tokens, seq.num_cached_tokens if first else 0,
             tuple(seq.prompt_logprobs) if first and seq.prompt_logprobs is not None else None))
         if seq.is_finished:

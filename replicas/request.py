@@ -53,6 +53,8 @@ class GenerateRequest:
     n: int = 1
     priority: int = 0
     cache_salt: str | None = None
+    # the constraint starts after this token (a reasoning model's end-of-thinking token)
+    constraint_after: int | None = None
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,8 @@ class Sequence:
     stop_reason: int | None = None
     generator: Any = None  # torch.Generator for seeded sampling
     guide: Any = None  # structured.guide.Guide when constrained
+    guide_active: bool = True  # False while a reasoning block precedes the constraint
+    constraint_after: int | None = None
     logits_processors: list[Any] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None

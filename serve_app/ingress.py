@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 from ray import serve
 
 from replicas.request import GenerateRequest, TokenBatch
-from serve_app import chat, sampling
+from serve_app import chat, sampling, tool_choice
 from serve_app.config import AppConfig
 from serve_app.errors import APIError, install_handlers, validation_error
 from serve_app.metrics import Metrics
@@ -34,6 +34,9 @@ from serve_app.protocol import (ChatChoice, ChatCompletion, ChatCompletionChunk,
                                 ResponseMessage, ResponseToolCall, TokenizeRequest, Usage)
 from serve_app.stream import DONE, ChoiceDelta, ChoiceState, TokenText, prompt_logprobs_json, sse
 from serve_app.tool_parser import OutputParser
+from structured.errors import ConstraintError
+from structured.schema_check import check_constraint
+from structured.spec import Constraint
 
 logger = logging.getLogger(__name__)
 VERSION = "0.1.0"
@@ -43,6 +46,21 @@ T = TypeVar("T", bound=BaseModel)
 
 app = FastAPI(title="shardserve", version=VERSION)
 install_handlers(app)
+
+
+def check_constraint_early(constraint: Constraint) -> None:
+    """The cheap checks (schema validity, unsupported keywords, regex syntax) before the hop;
+    compiling happens on the replica, which owns the vocabulary."""
+    try:
+        check_constraint(constraint)
+    except ConstraintError as exc:
+        raise APIError(exc.message, param=exc.param) from None
+
+
+def _in_think(prompt: str) -> bool:
+    """The prompt leaves the assistant inside an open <think> block (a reasoning model)."""
+    turn = prompt[prompt.rfind("<|im_start|>"):] if "<|im_start|>" in prompt else prompt
+    return turn.rfind("<think>") > turn.rfind("</think>")
 
 
 def _json_depth(obj: Any, limit: int) -> bool:
@@ -242,22 +260,37 @@ class Ingress:
         if body.modalities and any(m != "text" for m in body.modalities) or body.audio:
             raise APIError("audio output is not supported by this model", param="modalities")
         constraint = sampling.constraint_of(body)
-        self._check_tool_choice(body)
+        if body.tool_choice not in (None, "none") and not body.tools:
+            raise APIError("tool_choice needs tools", param="tool_choice")
+        forced_tool = tool_choice.tool_constraint(body)
+        if forced_tool is not None and constraint is not None:
+            raise APIError("an output constraint cannot be combined with tool_choice "
+                           "'required' or a named tool", param="tool_choice")
+        if forced_tool is not None:
+            constraint = forced_tool[0]
         if constraint is not None:
-            raise APIError("structured outputs are not available on this server yet",
-                           param="response_format")
+            check_constraint_early(constraint)
         rid = self._request_id("chatcmpl", body, request)
         n_gen = options.best_of or body.n
+        in_think = served.has_think_tokens and _in_think(rendered.text)
+        constraint_after = None
+        if constraint is not None and in_think:
+            constraint_after = served.tokenizer.convert_tokens_to_ids("</think>")
         gen = GenerateRequest(rid, tuple(ids), params, constraint, n_gen, body.priority,
-                              body.cache_salt)
+                              body.cache_salt, constraint_after)
         started = time.monotonic()
         generation = await self._start(served, gen)
         parse_tools = bool(body.tools) and body.tool_choice != "none"
         reasoning = served.has_think_tokens
         token_text = TokenText(served.tokenizer, options.return_tokens_as_token_ids)
-        states = [ChoiceState(i, served.tokenizer, served.fast, options,
-                              OutputParser(reasoning, body.include_reasoning, parse_tools),
-                              token_text) for i in range(n_gen)]
+
+        def parser() -> OutputParser | tool_choice.ToolJSONParser:
+            if forced_tool is not None:
+                return tool_choice.ToolJSONParser(forced_tool[1])
+            return OutputParser(reasoning, body.include_reasoning, parse_tools,
+                                start_in_reasoning=in_think)
+        states = [ChoiceState(i, served.tokenizer, served.fast, options, parser(), token_text)
+                  for i in range(n_gen)]
         echo = ""
         if options.echo and body.messages[-1].role == "assistant":
             echo = chat._text_of(body.messages[-1], len(body.messages) - 1) or ""
@@ -290,17 +323,6 @@ class Ingress:
             prompt_token_ids=ids if options.return_token_ids else None,
             prompt_logprobs=prompt_logprobs_json(states[0].prompt_logprobs, ids, token_text))
         return JSONResponse(response.model_dump(exclude_none=False), headers=headers)
-
-    def _check_tool_choice(self, body: ChatCompletionRequest) -> None:
-        choice = body.tool_choice
-        if choice is None or choice == "none":
-            return
-        if not body.tools:
-            raise APIError("tool_choice needs tools", param="tool_choice")
-        if choice == "auto":
-            return
-        raise APIError("tool_choice 'required' and named tools need structured outputs, which "
-                       "are not available on this server yet", param="tool_choice")
 
     @staticmethod
     def _usage(states: list[ChoiceState], ids: list[int]) -> Usage:
@@ -414,8 +436,7 @@ class Ingress:
             raise APIError("streaming supports one prompt per request", param="prompt")
         constraint = sampling.constraint_of(body)
         if constraint is not None:
-            raise APIError("structured outputs are not available on this server yet",
-                           param="response_format")
+            check_constraint_early(constraint)
         rid = self._request_id("cmpl", body, request)
         headers = {"X-Request-Id": rid.removeprefix("cmpl-")}
         timeout = body.inference_timeout or self.config.request_timeout_s
@@ -428,7 +449,7 @@ class Ingress:
                                         tokenizer=served.tokenizer, chat=False))
         for p_index, (ids, (params, options)) in enumerate(zip(prompts, built)):
             n_gen = options.best_of or body.n
-            gen = GenerateRequest(f"{rid}-{p_index}", tuple(ids), params, None, n_gen,
+            gen = GenerateRequest(f"{rid}-{p_index}", tuple(ids), params, constraint, n_gen,
                                   body.priority, body.cache_salt)
             generation = await self._start(served, gen)
             token_text = TokenText(served.tokenizer, options.return_tokens_as_token_ids)

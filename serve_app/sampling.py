@@ -94,8 +94,7 @@ def constraint_of(request: SamplingFields) -> Constraint | None:
     so = request.structured_outputs
     ws = request.guided_whitespace_pattern or (so.whitespace_pattern if so else None)
     no_add = bool(so and so.disable_additional_properties)
-    if so is not None and so.disable_any_whitespace:
-        ws = ""
+    no_ws = bool(so and so.disable_any_whitespace)
 
     def schema(value: Any, param: str) -> Constraint:
         if isinstance(value, str):
@@ -105,11 +104,11 @@ def constraint_of(request: SamplingFields) -> Constraint | None:
                 raise APIError(f"the JSON schema is not valid JSON: {exc}", param=param) from None
         if not isinstance(value, (dict, bool)):
             raise APIError("the JSON schema must be an object", param=param)
-        return Constraint("json_schema", json.dumps(value, sort_keys=True), ws, no_add)
+        return Constraint("json_schema", json.dumps(value, sort_keys=True), ws, no_add, no_ws)
 
     rf = request.response_format
     if rf is not None and rf.type == "json_object":
-        found.append(("response_format", Constraint("json_object", "", ws, no_add)))
+        found.append(("response_format", Constraint("json_object", "", ws, no_add, no_ws)))
     elif rf is not None and rf.type == "json_schema":
         if rf.json_schema is None or rf.json_schema.schema_ is None:
             raise APIError("response_format json_schema needs json_schema.schema",
@@ -128,7 +127,7 @@ def constraint_of(request: SamplingFields) -> Constraint | None:
         if so.grammar is not None:
             found.append(("structured_outputs.grammar", Constraint("grammar", so.grammar)))
         if so.json_object:
-            found.append(("structured_outputs.json_object", Constraint("json_object", "", ws, no_add)))
+            found.append(("structured_outputs.json_object", Constraint("json_object", "", ws, no_add, no_ws)))
         if so.structural_tag is not None:
             tag = so.structural_tag if isinstance(so.structural_tag, str) else json.dumps(
                 so.structural_tag, sort_keys=True)

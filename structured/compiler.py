@@ -16,9 +16,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
 
 from structured.errors import ConstraintError
 from structured.guide import Guide, LLGuidanceGuide, OutlinesAutomaton, outlines_regex

@@ -13,7 +13,8 @@ never built from token lists.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -54,7 +55,7 @@ def write_only(bitmask: torch.Tensor, row: int, token_ids: Sequence[int]) -> Non
 class Guide(ABC):
     """The state of one constrained output. Not thread-safe; one per sequence."""
 
-    def __init__(self, vocab: "Vocabulary") -> None:
+    def __init__(self, vocab: Vocabulary) -> None:
         self.vocab = vocab
         self.ended = False  # an EOS was accepted: the output is complete
 
@@ -118,14 +119,15 @@ class OutlinesAutomaton:
     """A compiled outlines-core Index (of `outlines_regex(R)`) plus facts about its states, learned
     lazily and shared by every guide of one compiled constraint."""
 
-    def __init__(self, index: "outlines_core.Index", vocab: "Vocabulary") -> None:
+    def __init__(self, index: outlines_core.Index, vocab: Vocabulary) -> None:
         self.index = index
         self.vocab = vocab
         self._sentinel = vocab.outlines_sentinel_id
-        # state -> (forced token or None, R complete (EOS allowed), nothing but EOS allowed)
-        self._facts: dict[int, tuple[int | None, bool, bool]] = {}
+        # state -> (forced token or None, R complete (EOS allowed), nothing but EOS allowed,
+        #           nothing at all allowed: a dead end the vocabulary cannot write past)
+        self._facts: dict[int, tuple[int | None, bool, bool, bool]] = {}
 
-    def facts(self, state: int) -> tuple[int | None, bool, bool]:
+    def facts(self, state: int) -> tuple[int | None, bool, bool, bool]:
         known = self._facts.get(state)
         if known is not None:
             return known
@@ -135,20 +137,20 @@ class OutlinesAutomaton:
         final = after_sentinel is not None and index.is_final_state(after_sentinel)
         others = [t for t in allowed if t != self._sentinel] if len(allowed) <= 2 else allowed
         forced = others[0] if len(others) == 1 and not final else None
-        known = self._facts[state] = (forced, final, final and not others)
+        known = self._facts[state] = (forced, final, final and not others, not final and not others)
         return known
 
     def has_final_state(self) -> bool:
         return bool(self.index.get_final_states())
 
-    def new_guide(self) -> "OutlinesGuide":
+    def new_guide(self) -> OutlinesGuide:
         import outlines_core
 
         return OutlinesGuide(self, outlines_core.Guide(self.index))
 
 
 class OutlinesGuide(Guide):
-    def __init__(self, automaton: OutlinesAutomaton, guide: "outlines_core.Guide") -> None:
+    def __init__(self, automaton: OutlinesAutomaton, guide: outlines_core.Guide) -> None:
         super().__init__(automaton.vocab)
         self._automaton = automaton
         self._guide = guide
@@ -159,8 +161,12 @@ class OutlinesGuide(Guide):
         if self.ended:
             write_only(bitmask, row, self.vocab.eos_token_ids)
             return
+        _, final, _, dead = self._automaton.facts(self._guide.get_state())
+        if dead:  # never an all-zero row: end the sequence instead (like llguidance's error state)
+            write_only(bitmask, row, self.vocab.eos_token_ids)
+            return
         self._guide.write_mask_into(ptr, words, 4)
-        if self._automaton.facts(self._guide.get_state())[1]:
+        if final:
             for t in self.vocab.eos_token_ids:
                 bitmask[row, t >> 5] |= _bit(t)
 
@@ -195,7 +201,7 @@ class OutlinesGuide(Guide):
 # ---- llguidance ---------------------------------------------------------------------------------
 
 class LLGuidanceGuide(Guide):
-    def __init__(self, matcher: "llguidance.LLMatcher", vocab: "Vocabulary") -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, vocab: Vocabulary) -> None:
         super().__init__(vocab)
         self._matcher = matcher
 

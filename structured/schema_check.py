@@ -10,17 +10,19 @@ Backends (measured on JSONSchemaBench, see benchmarks/structured_coverage.py):
                 compiler enforces numeric bounds, lengths, patterns, formats, sibling keywords,
                 additionalProperties, $ref recursion... and reports every keyword it does not
                 implement (not, if/then/else, contains, uniqueItems, dependencies, overlapping oneOf,
-                unknown formats) as an error instead of dropping it; it compiles in about a
-                millisecond. outlines-core drops many keywords silently and compiles schemas in
-                seconds.
-  outlines      regex and choice: a precomputed token automaton whose per-token mask is the fastest
-                of the two; compiling a wide regex can take minutes, which the compiler bounds.
+                unknown formats) as an error instead of dropping it; it compiles in milliseconds.
+                On a 78-schema sample, llguidance passed 66 and accepted no invalid instance;
+                outlines-core's schema-to-regex passed 45, accepted invalid instances on 11 (keywords
+                dropped silently) and took over 5 s on 3.
+  outlines      regex and choice: a precomputed token automaton whose per-token mask is 5-30x
+                faster than llguidance's on regexes (1-5 µs on our 4k vocabulary); compiling a wide
+                regex can take minutes, which the compiler bounds by killing the worker.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import jsonschema
@@ -63,8 +65,9 @@ def check_constraint(spec: Constraint) -> Plan:
     uses something the backend would not enforce."""
     if spec.kind == "json_schema":
         return Plan("llguidance", _json_grammar(_load_schema(spec.value), spec), "response_format")
-    if spec.kind == "json_object":
-        return Plan("llguidance", _json_grammar({"type": "object"}, spec), "response_format")
+    if spec.kind == "json_object":  # any object: nothing to close
+        any_object = replace(spec, disable_additional_properties=False)
+        return Plan("llguidance", _json_grammar({"type": "object"}, any_object), "response_format")
     if spec.kind == "regex":
         return Plan("outlines", check_regex(spec.value), "regex")
     if spec.kind == "choice":
@@ -78,26 +81,31 @@ def check_constraint(spec: Constraint) -> Plan:
 
 # ---- JSON schema --------------------------------------------------------------------------------
 
-def _load_schema(text: str) -> dict[str, Any]:
+def _load_schema(text: str, param: str = "response_format") -> dict[str, Any]:
+    """The schema as a dict, meta-validated against its draft (default 2020-12)."""
     try:
         schema = json.loads(text)
     except (TypeError, ValueError) as e:
-        raise ConstraintError(f"the JSON schema is not valid JSON: {e}") from None
+        raise ConstraintError(f"the JSON schema is not valid JSON: {e}", param) from None
     if schema is True:
         return {}
     if schema is False:
-        raise ConstraintError("the JSON schema `false` accepts nothing")
+        raise ConstraintError("the JSON schema `false` accepts nothing", param)
     if not isinstance(schema, dict):
-        raise ConstraintError("the JSON schema must be an object")
+        raise ConstraintError("the JSON schema must be an object", param)
     validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     if validator is jsonschema.Draft3Validator:
-        raise ConstraintError("JSON schema draft 3 is not supported; use draft 4 or later")
+        raise ConstraintError("JSON schema draft 3 is not supported; use draft 4 or later", param)
     try:
         validator.check_schema(schema)
     except jsonschema.SchemaError as e:
         where = "/".join(str(p) for p in e.path)
-        raise ConstraintError(f"invalid JSON schema at '/{where}': {e.message}") from None
-    _refuse_unenforced(schema, "")
+        raise ConstraintError(f"invalid JSON schema at '/{where}': {e.message}", param) from None
+    try:
+        _refuse_unenforced(schema, "")
+    except ConstraintError as e:
+        e.param = param
+        raise
     return schema
 
 
@@ -145,7 +153,9 @@ def _close_objects(node: Any) -> Any:
             out[key] = value
         else:
             out[key] = _close_objects(value)
-    is_object = node.get("type") == "object" or "properties" in node
+    types = node.get("type")
+    is_object = types == "object" or (isinstance(types, list) and "object" in types) or (
+        "properties" in node)
     if is_object and "additionalProperties" not in node and "patternProperties" not in node:
         out["additionalProperties"] = False
     return out
@@ -296,7 +306,7 @@ def choice_regex(value: str) -> str:
 def _grammar(text: str) -> str:
     try:
         lark = any_to_lark(text)  # Lark as is; GBNF converted to Lark
-    except Exception as e:  # the converter raises plain Exceptions on bad GBNF
+    except Exception as e:  # noqa: BLE001 (the GBNF converter raises plain Exceptions)
         raise ConstraintError(f"invalid grammar: {e}", "grammar") from None
     grammar = _lark(lark)
     _validate(grammar, "grammar", lambda m: f"invalid grammar: {m}")
@@ -324,19 +334,15 @@ def _structural_tag(spec: Constraint) -> str:
         if trigger is None:
             raise ConstraintError(f"structures[{i}].begin starts with none of the triggers",
                                   "structural_tag")
-        schema = _load_schema(json.dumps(s.get("schema", {})))
+        schema = _load_schema(json.dumps(s.get("schema", {})), "structural_tag")
+        if spec.disable_additional_properties:
+            schema = _close_objects(schema)
         schema["x-guidance"] = json_options(spec)
         tags.append(llguidance.StructTag(trigger=trigger, begin=s["begin"], grammar=schema,
                                          end=s.get("end", "")))
     # Triggers are text here: a tokenizer's special tokens are never part of constrained text.
-    grammar = llguidance.StructTag.to_grammar(tags, assume_special=False)
-    if grammar.lstrip().startswith("{"):  # several grammars: options go on the first one
-        combined = json.loads(grammar)
-        combined["grammars"][0]["lark_grammar"] = _NO_FORCING + combined["grammars"][0][
-            "lark_grammar"]
-        grammar = json.dumps(combined)
-    else:
-        grammar = _lark(grammar)
+    # (With JSON-schema bodies, to_grammar() gives one Lark grammar.)
+    grammar = _lark(llguidance.StructTag.to_grammar(tags, assume_special=False))
     _validate(grammar, "structural_tag", _explain_json_error)
     return grammar
 

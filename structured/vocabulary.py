@@ -19,9 +19,10 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import llguidance
@@ -99,13 +100,13 @@ class Vocabulary:
     special_names: dict[int, str] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_tokenizer(cls, tokenizer: "tokenizers.Tokenizer | str | os.PathLike[str]",
+    def from_tokenizer(cls, tokenizer: tokenizers.Tokenizer | str | os.PathLike[str],
                        eos_token_ids: int | Sequence[int], vocab_size: int | None = None,
-                       ) -> "Vocabulary":
+                       ) -> Vocabulary:
         """Build from a `tokenizers.Tokenizer`, a tokenizer.json path, or tokenizer.json text.
 
         eos_token_ids: the ids that end the output (the first is the primary one).
-        vocab_size: the logits width; defaults to the tokenizer's size.
+        vocab_size: the logits width; defaults to the tokenizer's size. Ids past it are dropped.
         """
         if isinstance(tokenizer, (str, os.PathLike)):
             text = str(tokenizer)
@@ -121,7 +122,8 @@ class Vocabulary:
 
         model = data.get("model") or {}
         decoder_types = _walk_types(data.get("decoder"))
-        byte_level = "ByteLevel" in decoder_types or "ByteLevel" in _walk_types(data.get("pre_tokenizer"))
+        byte_level = ("ByteLevel" in decoder_types
+                      or "ByteLevel" in _walk_types(data.get("pre_tokenizer")))
         byte_fallback = bool(model.get("byte_fallback")) or "ByteFallback" in decoder_types
         spiece = byte_fallback or "Metaspace" in decoder_types or _SPIECE_SPACE in json.dumps(
             data.get("decoder"), ensure_ascii=False)
@@ -139,12 +141,11 @@ class Vocabulary:
             else:
                 by_id[added["id"]] = added["content"].encode("utf-8")
 
-        n_tokens = max(by_id, default=-1) + 1
-        size = n_tokens if vocab_size is None else vocab_size
-        if size < n_tokens:
-            raise ValueError(f"vocab_size {size} is smaller than the tokenizer ({n_tokens} tokens)")
+        size = max(by_id, default=-1) + 1 if vocab_size is None else vocab_size
         if any(not 0 <= e < size for e in eos):
             raise ValueError(f"EOS ids {eos} out of range for vocab_size {size}")
+        # Tokens past the logits width (extra added tokens) can never be sampled: left out.
+        n_tokens = min(size, max(by_id, default=-1) + 1)
         token_bytes = tuple(
             None if i in eos else (by_id.get(i) or None) for i in range(n_tokens))
         return cls(token_bytes=token_bytes, eos_token_ids=eos, size=size, tokenizer_json=text,
@@ -166,7 +167,7 @@ class Vocabulary:
         return self.bitmask_words * 32
 
     @cached_property
-    def outlines(self) -> "outlines_core.Vocabulary":
+    def outlines(self) -> outlines_core.Vocabulary:
         """outlines-core's vocabulary: bytes keys, the primary EOS, the sentinel token, and no token
         holding byte 0xF4 (plane-16 private-use characters cannot be written under outlines-core
         constraints). Other EOS ids are added to masks by the guide."""
@@ -180,7 +181,7 @@ class Vocabulary:
         return outlines_core.Vocabulary(self.eos_token_id, by_bytes)
 
     @cached_property
-    def llguidance(self) -> "llguidance.LLTokenizer":
+    def llguidance(self) -> llguidance.LLTokenizer:
         """llguidance's tokenizer over our token bytes, so both backends agree on what every token is
         (llguidance's own loader would make non-special added tokens like `<tool_call>` special and
         unusable as text). Sized to the logits width; special tokens are `\\xff<name>` as llguidance
@@ -193,15 +194,15 @@ class Vocabulary:
             encoder = llguidance.LLTokenizer(self.tokenizer_json, n_vocab=self.size,
                                              eos_token=list(self.eos_token_ids))
             encode = encoder.tokenize_bytes
-        except Exception:  # a tokenizer llguidance cannot load: encode with `tokenizers` instead
+        except Exception:  # noqa: BLE001 (llguidance cannot load it: encode with `tokenizers`)
             tokenizer = self.tokenizer
-            encode = lambda b: tokenizer.encode(  # noqa: E731
+            encode = lambda b: tokenizer.encode(
                 b.decode("utf-8", errors="replace"), add_special_tokens=False).ids
         return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_LLGuidanceSource(self, encode)),
                                       n_vocab=self.size, eos_token=list(self.eos_token_ids))
 
     @cached_property
-    def tokenizer(self) -> "tokenizers.Tokenizer":
+    def tokenizer(self) -> tokenizers.Tokenizer:
         import tokenizers
 
         return tokenizers.Tokenizer.from_str(self.tokenizer_json)

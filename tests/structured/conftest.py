@@ -4,11 +4,16 @@ sentencepiece-style byte-fallback tokenizer, their vocabularies, and compilers."
 from __future__ import annotations
 
 import pytest
-from tests.structured.structured_testing import PADDED, SHIPPED_TOKENIZER, byte_fallback_tokenizer, train_byte_level
 from tokenizers import Tokenizer
 
 from structured.compiler import Compiler
 from structured.vocabulary import Vocabulary
+from tests.structured.structured_testing import (
+    PADDED,
+    SHIPPED_TOKENIZER,
+    byte_fallback_tokenizer,
+    train_byte_level,
+)
 
 
 @pytest.fixture(scope="session")

@@ -7,13 +7,19 @@ import json
 import random
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import (
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    trainers,
+)
 
 from structured import bitmask
 from structured.compiler import Compiled
 from structured.guide import Guide
 from structured.spec import Constraint
-
 
 SHIPPED_TOKENIZER = Path(__file__).resolve().parents[2] / "replicas" / "embedded" / "tokenizer.json"
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -51,7 +51,9 @@ async def test_timeout_kills_the_compile_and_the_loop_keeps_running(vocab, token
     compiler = Compiler(vocab, timeout_s=1.0, processes=2)
     try:
         compiler.start()
-        await compiler.compile(Constraint("regex", "warm"))  # worker start-up is not under test
+        # worker start-up is not under test: warm both workers
+        await asyncio.gather(compiler.compile(Constraint("regex", "warm")),
+                             compiler.compile(Constraint("regex", "up")))
 
         ticks = 0
 

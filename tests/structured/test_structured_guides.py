@@ -103,7 +103,7 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
     ({"type": "array", "prefixItems": [{"type": "string"}], "items": False}, [["a"]], [["a", 1]]),
 ])
 async def test_schema_keywords_enforced(compiler, tokenizer, s, valid, invalid):
-    dump = lambda x: json.dumps(x, ensure_ascii=False)  # noqa: E731
+    dump = lambda x: json.dumps(x, ensure_ascii=False)
     await judge(compiler, tokenizer, schema(s), [dump(v) for v in valid], [dump(v) for v in invalid])
 
 

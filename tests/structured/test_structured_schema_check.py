@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from tests.structured.structured_testing import schema
 
 from structured.errors import ConstraintError
 from structured.schema_check import check_constraint
 from structured.spec import Constraint
+from tests.structured.structured_testing import schema
 
 
 def rejected(spec: Constraint) -> ConstraintError:

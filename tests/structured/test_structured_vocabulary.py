@@ -7,10 +7,10 @@ import json
 
 import outlines_core
 import pytest
-from tests.structured.structured_testing import accepts, encode, feed
 
 from structured.spec import Constraint
 from structured.vocabulary import Vocabulary
+from tests.structured.structured_testing import accepts, encode, feed
 
 TEXT = "日本 😀 café"
 
@@ -70,6 +70,11 @@ def test_from_path_and_text_agree(tokenizer, tmp_path, vocab):
     assert by_path.token_bytes == vocab.token_bytes
 
 
+def test_logits_narrower_than_the_tokenizer(tokenizer, vocab):
+    narrow = Vocabulary.from_tokenizer(tokenizer, list(vocab.eos_token_ids), vocab.eos_token_id + 1)
+    assert len(narrow.token_bytes) == narrow.size == vocab.eos_token_id + 1
+
+
 def test_bad_arguments_raise():
     with pytest.raises(ValueError):
         Vocabulary.from_tokenizer('{"model": {"type": "BPE", "vocab": {"a": 0}}}', [])
@@ -98,3 +103,26 @@ async def test_padded_ids_never_allowed(compiler, vocab):
         for i in range(len(vocab.token_bytes), vocab.size):
             assert not (int(mask[0, i >> 5]) >> (i & 31)) & 1
     assert feed(compiled.new_guide(), [])
+
+
+def test_pickles_without_backend_objects(vocab):
+    import pickle
+
+    vocab.llguidance  # noqa: B018 (build the cached backend objects first)
+    vocab.outlines  # noqa: B018
+    copy = pickle.loads(pickle.dumps(vocab))
+    assert copy.token_bytes == vocab.token_bytes and copy.eos_token_ids == vocab.eos_token_ids
+    assert copy.llguidance.vocab_size == vocab.size
+
+
+def test_structured_never_imports_replicas():
+    import ast
+    from pathlib import Path
+
+    import structured
+
+    for path in Path(structured.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n == "replicas" or n.startswith("replicas.") for n in names), path
