@@ -24,6 +24,7 @@ class Subcommand:
 
 SUBCOMMANDS: list[Subcommand] = [
     Subcommand("serve", "benchmarks.serve", "load-test an OpenAI-compatible server (like vllm bench serve)"),
+    Subcommand("compare", "benchmarks.compare", "the same load against shardserve and its peers"),
     Subcommand("engine", "benchmarks.engine", "offline throughput of the engine alone (no HTTP)"),
     Subcommand("plot", "benchmarks.plot", "plot latency CDFs and throughput vs concurrency from result files"),
 ]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import sys
 import time
@@ -277,7 +278,11 @@ async def run_batch(requests: list[BatchRequest], output: Path, base_url: str, *
     queue: Iterator[BatchRequest] = iter(pending)
     bar = tqdm(total=len(requests), initial=skipped, unit="req", disable=not show_progress,
                file=sys.stderr, mininterval=0.2 if sys.stderr.isatty() else 10.0)
-    fd = os.open(output, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(output, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError as exc:
+        bar.close()
+        raise BatchFileError(f"cannot write {output}: {exc.strerror}") from None
     try:
         async with httpx.AsyncClient(
                 base_url=_api_root(base_url), headers=headers,
@@ -335,6 +340,11 @@ def run_cli(args: argparse.Namespace) -> int:
         print("shardserve batch: --concurrency must be >= 1, --max-retries >= 0, --timeout > 0",
               file=sys.stderr)
         return 2
+    if args.output.resolve() == args.input.resolve():
+        print("shardserve batch: --output must not be the input file", file=sys.stderr)
+        return 2
+    # `shardserve` logs at INFO; httpx would log a line per request
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         requests = read_input(args.input)
         summary = asyncio.run(run_batch(

@@ -77,18 +77,23 @@ def _check_complete(out: Path) -> list[dict[str, Any]]:
 
 
 def _successes(server: str) -> float:
-    """Requests the server finished (vllm:request_success), once nothing is in flight."""
-    deadline = time.monotonic() + 30
-    while True:
+    """Requests the server finished (vllm:request_success), read once nothing is in flight and
+    the count holds still (a killed client's last requests may still be finishing)."""
+    last, deadline = -1.0, time.monotonic() + 30
+    while time.monotonic() < deadline:
         text = httpx.get(f"{server}/metrics", timeout=10).text
-        samples = {s.name: s.value for fam in text_string_to_metric_families(text)
-                   for s in fam.samples if s.name.startswith("vllm:num_requests_")}
-        if samples.get("vllm:num_requests_running", 0) + samples.get(
-                "vllm:num_requests_waiting", 0) == 0 or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-               if s.name == "vllm:request_success_total")
+        values: dict[str, float] = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                values[s.name] = values.get(s.name, 0.0) + s.value
+        busy = values.get("vllm:num_requests_running", 0) + values.get(
+            "vllm:num_requests_waiting", 0)
+        count = values.get("vllm:request_success_total", 0.0)
+        if not busy and count == last:
+            return count
+        last = count
+        time.sleep(0.5)
+    raise AssertionError("the server did not go idle")
 
 
 def _batch_cmd(*args: str | Path) -> list[str]:
@@ -107,37 +112,40 @@ def test_full_run_writes_one_line_per_request(server: str, batch_input: Path,
         {"total": N, "done": N, "skipped": 0, "failed": 1, "errors": 0}
 
 
-def test_killed_run_resumes_sending_only_the_missing(server: str, batch_input: Path,
-                                                    tmp_path: Path) -> None:
+def test_killed_run_resumes_sending_only_the_missing(
+        server: str, batch_input: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
     out, stats = tmp_path / "out.jsonl", tmp_path / "stats.json"
+    log = (tmp_path / "killed.log").open("wb")
     proc = subprocess.Popen(_batch_cmd("--input", batch_input, "--output", out,
                                        "--base-url", server, "--concurrency", "2"),
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
         while not (out.exists() and out.read_bytes().count(b"\n") >= 40):
-            assert proc.poll() is None, "the batch finished before it could be killed"
+            assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-2000:]
             assert time.monotonic() < deadline, "no progress"
             time.sleep(0.02)
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.kill()
         proc.wait()
+        log.close()
     written = out.read_bytes().count(b"\n")
     assert 40 <= written < N
     with out.open("ab") as f:  # what a kill in the middle of a write leaves behind
         f.write(b'{"id":"batch_req_torn","custom_id":"req-1')
     before = _successes(server)
 
-    rerun = subprocess.run(_batch_cmd("--input", batch_input, "--output", out, "--base-url",
-                                      server, "--concurrency", "16", "--stats-json", stats),
-                           cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert rerun.returncode == 0, rerun.stderr
-    assert "cut a partial last line" in rerun.stderr
+    code = main(["batch", "--input", str(batch_input), "--output", str(out), "--base-url",
+                 server, "--concurrency", "16", "--disable-tqdm", "--stats-json", str(stats)])
+    rerun = capsys.readouterr()
+    assert code == 0, rerun.err
+    assert "cut a partial last line" in rerun.err
     lines = _check_complete(out)
     summary = json.loads(stats.read_text())
     assert (summary["skipped"], summary["done"]) == (written, N - written)
-    assert f"{N - written} done" in rerun.stdout and f"{written} skipped" in rerun.stdout
+    assert f"{N - written} done" in rerun.out and f"{written} skipped" in rerun.out
     # the server saw exactly the re-run's requests (the 400 never reaches the engine)
     ok_in_rerun = sum(rec["response"]["status_code"] == 200 for rec in lines[written:])
     assert _successes(server) - before == ok_in_rerun

@@ -1,0 +1,186 @@
+"""`bench compare`: the same load against shardserve and its peers, one after another in one run,
+on the same model, and a table of ratios.
+
+Peers: `transformers serve --continuous-batching` (an OpenAI server), plain `transformers`
+`generate` with static batches of the same concurrency (no server: the batch's output tokens
+over its wall time), and llama.cpp's `llama-server` when a binary and a GGUF file are given.
+Servers run as subprocesses on free ports and are stopped after their turn."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.client import ClientConfig, StreamingClient
+from benchmarks.datasets import BenchRequest, load_tokenizer, random_requests
+from benchmarks.serve import RunSettings, run_benchmark
+
+PEERS = ("shardserve", "transformers-serve", "transformers-generate", "llama-server")
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="shardserve/bench-135m",
+                   help="an embedded model id or a local HF folder")
+    p.add_argument("--peers", default="shardserve,transformers-serve,transformers-generate",
+                   help=f"comma-separated, from {PEERS}")
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--num-warmups", type=int, default=2)
+    p.add_argument("--llama-server", type=Path, help="path of a llama-server binary")
+    p.add_argument("--gguf", type=Path, help="the model as GGUF, for llama-server")
+    p.add_argument("--startup-timeout", type=float, default=300)
+    p.add_argument("--result-json", type=Path)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _server(cmd: list[str], port: int, timeout: float, log: Path) -> Iterator[str]:
+    base = f"http://127.0.0.1:{port}"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}; see {log}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{base}/v1/models", timeout=5).status_code == 200:
+                    break
+            time.sleep(1)
+        else:
+            raise RuntimeError(f"{cmd[0]} did not answer within {timeout} s; see {log}")
+        yield base
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _serve_cmd(peer: str, args: argparse.Namespace, path: Path, port: int) -> list[str]:
+    if peer == "shardserve":
+        return [sys.executable, "-m", "serve_app.cli", "serve", "--model", str(path),
+                "--port", str(port), "--dtype", args.dtype,
+                "--max-num-seqs", str(max(args.concurrency, 1)),
+                "--max-model-len", str(2 * (args.input_len + args.output_len) + 64)]
+    if peer == "transformers-serve":
+        exe = Path(sys.executable).with_name("transformers")
+        return [str(exe), "serve", str(path), "--continuous-batching", "--port", str(port),
+                "--host", "127.0.0.1", "--dtype", args.dtype, "--device", "cpu"]
+    if peer == "llama-server":
+        if not args.llama_server or not args.gguf:
+            raise ValueError("llama-server needs --llama-server BINARY and --gguf FILE")
+        return [str(args.llama_server), "-m", str(args.gguf), "--port", str(port),
+                "--host", "127.0.0.1", "-np", str(args.concurrency),
+                "-c", str(args.concurrency * (args.input_len + args.output_len + 64)), "-cb"]
+    raise ValueError(f"unknown peer {peer!r}")
+
+
+async def _load(base: str, model: str, requests: list[BenchRequest],
+                args: argparse.Namespace) -> dict[str, Any]:
+    config = ClientConfig(base_url=base, model=model, ignore_eos=True)
+    async with StreamingClient(config) as client:
+        run = await run_benchmark(client.send, requests, RunSettings(
+            max_concurrency=args.concurrency, num_warmups=args.num_warmups, seed=args.seed,
+            show_progress=False), warmup_requests=requests[: args.num_warmups])
+    return run.metrics.to_summary()
+
+
+def static_generate(path: Path, requests: list[BenchRequest], args: argparse.Namespace
+                    ) -> dict[str, Any]:
+    """transformers' generate in static batches of `concurrency` rows (left-padded)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
+    prompts = [tok.apply_chat_template(r.chat_messages(), tokenize=False,
+                                       add_generation_prompt=True) for r in requests]
+    out_tokens = 0
+    started = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(prompts), args.concurrency):
+            batch = tok(prompts[i:i + args.concurrency], return_tensors="pt", padding=True,
+                        add_special_tokens=False)
+            n = args.output_len
+            out = model.generate(**batch, max_new_tokens=n, min_new_tokens=n, do_sample=True,
+                                 temperature=1.0, pad_token_id=tok.pad_token_id)
+            out_tokens += (out.shape[1] - batch["input_ids"].shape[1]) * out.shape[0]
+    elapsed = time.perf_counter() - started
+    return {"output_throughput": out_tokens / elapsed, "duration": elapsed,
+            "total_output_tokens": out_tokens, "completed": len(prompts)}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from replicas.model_files import resolve_model_path
+
+    path = resolve_model_path(args.model)
+    tokenizer = load_tokenizer(str(path))
+    requests = random_requests(args.num_prompts + args.num_warmups, args.input_len,
+                               args.output_len, tokenizer=tokenizer, seed=args.seed)
+    results: dict[str, Any] = {}
+    for peer in [p.strip() for p in args.peers.split(",") if p.strip()]:
+        print(f"--- {peer}", flush=True)
+        if peer == "transformers-generate":
+            results[peer] = static_generate(path, requests[args.num_warmups:], args)
+        else:
+            port = _free_port()
+            log = Path(f"/tmp/bench-compare-{peer}.log")
+            with _server(_serve_cmd(peer, args, path, port), port, args.startup_timeout,
+                         log) as base:
+                model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
+                results[peer] = asyncio.run(_load(base, model, requests, args))
+        print(json.dumps({k: results[peer].get(k) for k in (
+            "output_throughput", "median_ttft_ms", "median_tpot_ms")}), flush=True)
+    return results
+
+
+def table(results: dict[str, Any]) -> str:
+    ours = results.get("shardserve", {}).get("output_throughput")
+    lines = [f"{'peer':<24}{'out tok/s':>12}{'TTFT p50 ms':>14}{'TPOT p50 ms':>14}"
+             f"{'shardserve / peer':>20}"]
+    for peer, r in results.items():
+        tput = r.get("output_throughput") or 0.0
+        ratio = f"{ours / tput:.2f}x" if ours and tput else "-"
+        ttft, tpot = r.get("median_ttft_ms"), r.get("median_tpot_ms")
+        lines.append(f"{peer:<24}{tput:>12.1f}"
+                     f"{(f'{ttft:.1f}' if ttft is not None else '-'):>14}"
+                     f"{(f'{tpot:.1f}' if tpot is not None else '-'):>14}{ratio:>20}")
+    return "\n".join(lines)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    results = run(args)
+    print(table(results))
+    if args.result_json:
+        args.result_json.write_text(json.dumps({"config": vars(args) | {
+            "result_json": str(args.result_json)}, "results": results}, indent=2, default=str))
+    return 0
