@@ -16,11 +16,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
+from typing import TYPE_CHECKING
 
-from replicas.deployment import LLMServer, ReplicaConfig
-from replicas.embedded import BENCH_MODEL_ID
-from replicas.request import GenerateRequest, SamplingParams
+if TYPE_CHECKING:  # the CLI builds its parser without importing torch, Ray or the engine
+    from replicas.deployment import LLMServer
+    from replicas.request import GenerateRequest
+
+BENCH_MODEL_ID = "shardserve/bench-135m"
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -43,6 +45,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 
 def roofline_step_s(server: LLMServer, batch: int, repeats: int = 5) -> float:
     """Time of the matrix products of one decode step at `batch` rows, with torch's kernels."""
+    import torch
     model = server.engine.executor.worker.runner.model  # type: ignore[attr-defined]
     weights = [m.weight for m in model.modules() if hasattr(m, "weight")
                and m.weight is not None and m.weight.dim() == 2
@@ -69,6 +72,11 @@ async def _run(server: LLMServer, reqs: list[GenerateRequest]) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from replicas.deployment import LLMServer, ReplicaConfig
+    from replicas.request import GenerateRequest, SamplingParams
+
     s = args.scale
     n = max(1, int(args.num_seqs * s))
     rng = random.Random(args.seed)

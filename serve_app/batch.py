@@ -255,7 +255,7 @@ async def send_one(client: httpx.AsyncClient, req: BatchRequest, max_retries: in
 def _api_root(base_url: str) -> str:
     # input urls carry /v1 already; accept a base URL given with it too
     root = base_url.rstrip("/")
-    return root[: -len("/v1")] if root.endswith("/v1") else root
+    return root.removesuffix("/v1")
 
 
 async def run_batch(requests: list[BatchRequest], output: Path, base_url: str, *,
@@ -354,6 +354,10 @@ def run_cli(args: argparse.Namespace) -> int:
     except BatchFileError as exc:
         print(f"shardserve batch: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"shardserve batch: interrupted; the same command resumes from {args.output}",
+              file=sys.stderr)
+        return 130
     print(f"shardserve batch: {summary.total} requests: {summary.done} done "
           f"({summary.failed} failed, {summary.errors} without a response), {summary.skipped} "
           f"skipped (already in {args.output}); {summary.elapsed_s:.1f} s", flush=True)
