@@ -18,11 +18,11 @@ from typing import Any
 
 from typing import TYPE_CHECKING
 
+from replicas.embedded import BENCH_MODEL_ID
+
 if TYPE_CHECKING:  # the CLI builds its parser without importing torch, Ray or the engine
     from replicas.deployment import LLMServer
     from replicas.request import GenerateRequest
-
-BENCH_MODEL_ID = "shardserve/bench-135m"
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
