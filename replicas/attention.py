@@ -1,5 +1,9 @@
 """Attention over the paged KV cache.
 
+The cache of one layer is `[kv_heads, slots, head_dim]` for K and for V: gathering a row's context
+slots along dim 1 yields `[kv_heads, keys, head_dim]`, already the layout the matmuls want, so the
+decode path copies nothing but the gather itself.
+
 The model runner describes one step with `AttentionMetadata` (built once per step, shared by every
 layer): where each new token's K/V goes (`slot_mapping`) and, per row, which cache slots form its
 context. Rows that add one token (decode) are attended in one batched call over a padded gather;
@@ -32,20 +36,19 @@ class AttentionMetadata:
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [slots, Hkv, D]. Returns [T, H, D]."""
+    """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [Hkv, slots, D]. Returns [T, H, D]."""
     # index_copy_/index_select: much faster on CPU than advanced-index assignment and gather
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+    v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
     out = torch.empty_like(q)
     if meta.decode_token_index is not None:
         slots = meta.decode_context_slots  # [Bd, Kmax]
-        shape = (*slots.shape, *k_cache.shape[1:])
-        qd = q.index_select(0, meta.decode_token_index).unsqueeze(2)  # [Bd, H, 1, D]
-        kd = k_cache.index_select(0, slots.flatten()).view(shape).transpose(1, 2)
-        vd = v_cache.index_select(0, slots.flatten()).view(shape).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale,
-                                           enable_gqa=True)
-        out.index_copy_(0, meta.decode_token_index, o.squeeze(2))
+        shape = (k_cache.shape[0], *slots.shape, k_cache.shape[2])  # [Hkv, Bd, Kmax, D]
+        kd = k_cache.index_select(1, slots.flatten()).view(shape)
+        vd = v_cache.index_select(1, slots.flatten()).view(shape)
+        o = decode_attention(q.index_select(0, meta.decode_token_index), kd, vd,
+                             meta.decode_mask, scale)
+        out.index_copy_(0, meta.decode_token_index, o)
     for row in meta.prefill_rows:
         qp = q[row.start:row.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
         if row.context_slots is None:
@@ -54,12 +57,28 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale,
                                                enable_gqa=True)
         else:
-            kp = k_cache.index_select(0, row.context_slots).transpose(0, 1).unsqueeze(0)
-            vp = v_cache.index_select(0, row.context_slots).transpose(0, 1).unsqueeze(0)
+            kp = k_cache.index_select(1, row.context_slots).unsqueeze(0)  # [1, Hkv, ctx, D]
+            vp = v_cache.index_select(1, row.context_slots).unsqueeze(0)
             nq, nk = qp.shape[2], kp.shape[2]
             # query i sits at absolute position nk - nq + i and sees keys up to it
-            mask = torch.ones(nq, nk, dtype=torch.bool).tril(diagonal=nk - nq)
+            mask = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(diagonal=nk - nq)
             o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale,
                                                enable_gqa=True)
         out[row.start:row.end] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """One query per row: q [B, H, D], k/v [Hkv, B, K, D], mask [B, 1, 1, K] -> [B, H, D].
+
+    Two batched matmuls over (kv head, row) with the query heads of a KV head grouped together;
+    on CPUs this is an order of magnitude faster than SDPA's flash kernel for a single query
+    (which tiles for long queries). Softmax runs in float32."""
+    b, h, d = q.shape
+    kv_heads, keys = k.shape[0], k.shape[2]
+    qg = q.view(b, kv_heads, h // kv_heads, d).transpose(0, 1)  # [Hkv, B, G, D]
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [Hkv, B, G, K]
+    scores.masked_fill_(~mask.view(1, b, 1, keys), float("-inf"))
+    probs = scores.softmax(-1).to(v.dtype)
+    return torch.matmul(probs, v).transpose(0, 1).reshape(b, h, d)

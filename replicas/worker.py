@@ -55,8 +55,9 @@ class ShardWorker:
         model.to(self.device).eval()
         head_dim = model.layers[0].self_attn.head_dim
         kv_heads = model.layers[0].self_attn.num_kv_heads
-        kv_cache = torch.zeros(hf_config.num_hidden_layers, 2, config.num_blocks * config.block_size,
-                               kv_heads, head_dim, dtype=dtype, device=self.device)
+        kv_cache = torch.zeros(hf_config.num_hidden_layers, 2, kv_heads,
+                               config.num_blocks * config.block_size, head_dim, dtype=dtype,
+                               device=self.device)
         self.runner = ModelRunner(model, kv_cache, config.block_size)
 
     def execute(self, step: StepInput) -> StepOutput | None:

@@ -56,15 +56,21 @@ class APIError(Exception):
         return f"data: {json.dumps(self.body())}\n\n"
 
 
-def _loc_to_param(loc: tuple) -> str | None:
+def _clean_loc(loc: tuple) -> list[str]:
     parts = [str(p) for p in loc if p not in ("body", "query", "path")]
-    # drop pydantic's union-member tags (e.g. "str", "list[str]") after the field name
+    # drop pydantic's union-member tags after the field name: types ("str", "list[str]",
+    # "literal[...]", "function-after[...]") and model classes ("NamedToolChoice")
     clean: list[str] = []
     for p in parts:
-        if clean and not p.isdigit() and ("[" in p or p in ("str", "int", "float", "bool",
-                                                            "dict", "list", "function-after")):
+        if clean and not p.isdigit() and ("[" in p or p[:1].isupper() or p in (
+                "str", "int", "float", "bool", "dict", "list", "function-after")):
             continue
         clean.append(p)
+    return clean
+
+
+def _loc_to_param(loc: tuple) -> str | None:
+    clean = _clean_loc(loc)
     if not clean:
         return None
     out = clean[0]
@@ -76,11 +82,16 @@ def _loc_to_param(loc: tuple) -> str | None:
 def validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    param = _loc_to_param(tuple(first.get("loc", ())))
-    msg = first.get("msg", "invalid request")
     if first.get("type") == "json_invalid":
-        return APIError(f"the body is not valid JSON: {msg}", 400)
-    if first.get("type") == "missing":
+        return APIError(f"the body is not valid JSON: {first.get('msg', '')}", 400)
+    # A union field fails once per member; the member that got deepest into the value is the
+    # one the client meant (a list of parts, not a string), so report that error.
+    field = tuple(first.get("loc", ()))[:1]
+    same_field = [e for e in errors if tuple(e.get("loc", ()))[:1] == field] or [first]
+    best = max(same_field, key=lambda e: len(_clean_loc(tuple(e.get("loc", ())))))
+    param = _loc_to_param(tuple(best.get("loc", ())))
+    msg = best.get("msg", "invalid request")
+    if best.get("type") == "missing":
         msg = "this field is required"
     return APIError(f"{param}: {msg}" if param else msg, 400, param)
 

@@ -94,6 +94,16 @@ class Message(_Open):
     channel: str | None = None
     recipient: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _role_from_author(cls, data: Any) -> Any:
+        """The harmony form names its role as author.role: {"author": {"role": "user"}, ...}."""
+        if isinstance(data, dict) and "role" not in data and isinstance(data.get("author"), dict):
+            role = data["author"].get("role")
+            if isinstance(role, str):
+                return {**data, "role": role}
+        return data
+
 
 # ---- tools -------------------------------------------------------------------------------------
 class FunctionDefinition(_Open):

@@ -116,7 +116,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """kv_cache: [layers, 2, slots, kv_heads, head_dim]."""
+        """kv_cache: [layers, 2, kv_heads, slots, head_dim]."""
         x = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, kv_cache[i, 0], kv_cache[i, 1], meta)

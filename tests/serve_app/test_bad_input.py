@@ -121,6 +121,7 @@ CASES = [
     chat_case("stop-empty-string", {"stop": ""}, "stop"),
     chat_case("stop-list-with-empty-string", {"stop": ["end", ""]}, "stop"),
     chat_case("stop-a-number", {"stop": 5}, "stop"),
+    chat_case("stop-list-of-numbers", {"stop": ["ok", 7]}, "stop[1]"),
     chat_case("logit_bias-key-not-an-int", {"logit_bias": {"hello": 5}}, "logit_bias"),
     chat_case("logit_bias-id-out-of-vocab", {"logit_bias": {"4000": 5}}, "logit_bias"),
     chat_case("logit_bias-id-negative", {"logit_bias": {"-1": 5}}, "logit_bias"),
@@ -153,6 +154,14 @@ CASES = [
         "messages[0].content[0].type"),
     chat_case("unknown-content-part", {"messages": [{"role": "user", "content": [
         {"type": "hologram"}]}]}, "messages[0].content[0].type"),
+    # a union field reports the member the value was meant for: here the list of parts
+    chat_case("content-part-without-type", {"messages": [{"role": "user", "content": [
+        {"text": "hi"}]}]}, "messages[0].content[0].type"),
+    chat_case("content-part-text-a-number", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": 5}]}]}, "messages[0].content[0].text"),
+    chat_case("harmony-message-without-any-role", {"messages": [{"author": {"name": "x"},
+                                                                 "content": "hi"}]},
+              "messages[0].role"),
     raw_case("lone-surrogate-in-content",  # valid JSON ("\\ud800" escaped), but not text
              _valid_json(messages=[{"role": "user", "content": "a\ud800b"}]),
              "messages[0].content"),
@@ -184,6 +193,8 @@ CASES = [
         "type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
     chat_case("tool-without-name", {"tools": [{"type": "function", "function": {}}]},
               "tools[0].function.name"),
+    chat_case("tool_choice-named-without-name", {"tools": TOOLS, "tool_choice": {
+        "type": "function", "function": {}}}, "tool_choice.function.name"),
     chat_case("tool-type-not-function", {"tools": [{"type": "retrieval", "function": {
         "name": "x"}}]}, "tools[0].type"),
     # ---- server policy
@@ -223,7 +234,10 @@ CASES = [
     case("completions-prompt-id-negative", CMPL, {"model": MODEL, "prompt": [1, -1]}, "prompt"),
     case("completions-prompt-lists-one-bad", CMPL, {"model": MODEL, "prompt": [[1, 2], [9999]]},
          "prompt"),
-    case("completions-prompt-mixed", CMPL, {"model": MODEL, "prompt": ["a", 5]}, "prompt"),
+    case("completions-prompt-mixed", CMPL, {"model": MODEL, "prompt": ["a", 5]}, "prompt[1]"),
+    case("completions-prompt-nested-not-int", CMPL, {"model": MODEL, "prompt": [[1, "a"]]},
+         "prompt[0][1]"),
+    case("completions-prompt-a-number", CMPL, {"model": MODEL, "prompt": 5}, "prompt"),
     case("completions-suffix", CMPL, {"model": MODEL, "prompt": "def f(", "suffix": "pass"},
          "suffix"),
     case("completions-logprobs-above-20", CMPL, {"model": MODEL, "prompt": "a", "logprobs": 21},

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -475,6 +476,19 @@ def test_multimodal_parts_rejected_text_parts_joined(base_url: str, root: str) -
     assert err["param"] == "messages[0].content[1].type" and "image_url" in err["message"]
 
 
+def test_message_forms_render_alike(base_url: str, root: str) -> None:
+    expected = tokenize(root, messages=MESSAGES)
+    developer = [{"role": "developer", "content": "You are terse."}, MESSAGES[1]]
+    harmony = [{"author": {"role": "system"}, "content": "You are terse."},
+               {"author": {"role": "user", "name": "ann"}, "channel": "final",
+                "recipient": "assistant", "content": "Name three colours."}]
+    parts = [MESSAGES[0], {"role": "user", "name": "ann", "content": [
+        {"type": "text", "text": "Name three colours."}]}]
+    for form in (developer, harmony, parts):
+        r = chat(base_url, messages=form, max_tokens=1, return_token_ids=True)
+        assert r["prompt_token_ids"] == expected, form
+
+
 # ---- reasoning and tools -----------------------------------------------------------------------
 THINK_SEQ = [THINK, ABC, THINK_END, WORLD, IM_END]  # <think>abc</think> world<|im_end|>
 
@@ -647,6 +661,21 @@ def test_priority_needs_priority_scheduling(base_url: str) -> None:
     assert chat(base_url, priority=0, max_tokens=1)["choices"]
     err = error(base_url, priority=5)
     assert err["param"] == "priority"
+
+
+def test_inference_timeout_is_a_408_and_frees_the_request(base_url: str, root: str) -> None:
+    err = error(base_url, status=408, max_tokens=1000, ignore_eos=True, inference_timeout=0.3)
+    assert err["param"] == "inference_timeout"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        metrics = httpx.get(f"{root}/metrics", timeout=30).text
+        running = [line for line in metrics.splitlines()
+                   if line.startswith("vllm:num_requests_running{")]
+        if running and float(running[0].rsplit(" ", 1)[1]) == 0:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail("the timed-out request kept running")
 
 
 def test_cache_salt_isolates_prefix_cache(base_url: str) -> None:
