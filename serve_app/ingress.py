@@ -162,6 +162,14 @@ class Ingress:
             raise APIError.from_exception(exc) from None
         return Generation(call, first)
 
+    @staticmethod
+    def _id_header(body: Any, request: Request) -> dict[str, str]:
+        """Serve's proxy already answers with X-Request-Id (the client's, or its own id, which
+        is our default request id); only a body `request_id` that differs needs ours."""
+        if body.request_id and body.request_id != request.headers.get("x-request-id"):
+            return {"X-Request-Id": body.request_id}
+        return {}
+
     def _request_id(self, prefix: str, body: Any, request: Request) -> str:
         rid = body.request_id or request.headers.get("x-request-id")
         return f"{prefix}-{rid}" if rid else f"{prefix}-{uuid.uuid4().hex}"
@@ -292,16 +300,19 @@ class Ingress:
         states = [ChoiceState(i, served.tokenizer, served.fast, options, parser(), token_text)
                   for i in range(n_gen)]
         echo = ""
-        if options.echo and body.messages[-1].role == "assistant":
+        # vLLM echoes the last message when its role is the response's role: the assistant's,
+        # or the last message's own when no generation prompt opens a new turn
+        if options.echo and (not body.add_generation_prompt
+                             or body.messages[-1].role == "assistant"):
             echo = chat._text_of(body.messages[-1], len(body.messages) - 1) or ""
-        headers = {"X-Request-Id": rid.removeprefix("chatcmpl-")}
+        headers = self._id_header(body, request)
         timeout = options.timeout_s or self.config.request_timeout_s
         if options.stream:
             return StreamingResponse(
                 self._chat_stream(served, generation, states, rid, options, ids, echo, started,
                                   timeout, body.n),
                 media_type="text/event-stream", headers=headers)
-        await self._drain(generation, states, timeout)
+        await self._drain(served, generation, states, timeout, started)
         self.metrics.observe_request(served.name, started, states, len(ids))
         chosen = self._best(states, body.n, options)
         choices = []
@@ -340,12 +351,16 @@ class Ingress:
         ranked = sorted(states, key=lambda s: s.score(options.length_penalty), reverse=True)
         return ranked[:n]
 
-    async def _drain(self, generation: Generation, states: list[ChoiceState],
-                     timeout: float) -> None:
+    async def _drain(self, served: ServedModel, generation: Generation,
+                     states: list[ChoiceState], timeout: float, started: float) -> None:
         """Non-streaming: runs the generation to its end, each state accumulating its output."""
+        first = True
         try:
             async with asyncio.timeout(timeout):
                 async for batches in generation:
+                    if first:
+                        first = False
+                        self.metrics.observe_first_token(served.name, started)
                     for b in batches:
                         states[b.choice_index].on_batch(b)
                     if all(s.done for s in states):
@@ -382,7 +397,10 @@ class Ingress:
                             sent_role[st.index] = True
                             self.metrics.observe_first_token(served.name, started)
                             yield chunk(ChunkChoice(index=st.index, delta=Delta(
-                                role="assistant", content=echo)))
+                                role="assistant", content=echo)),
+                                Usage(prompt_tokens=len(ids), completion_tokens=0,
+                                      total_tokens=len(ids))
+                                if options.continuous_usage_stats else None)
                         if not (delta.content or delta.reasoning or delta.tool_calls
                                 or delta.finish_reason or delta.logprobs
                                 or options.return_token_ids):
@@ -438,7 +456,7 @@ class Ingress:
         if constraint is not None:
             check_constraint_early(constraint)
         rid = self._request_id("cmpl", body, request)
-        headers = {"X-Request-Id": rid.removeprefix("cmpl-")}
+        headers = self._id_header(body, request)
         timeout = body.inference_timeout or self.config.request_timeout_s
         choices: list[CompletionChoice] = []
         usage = Usage()
@@ -462,7 +480,7 @@ class Ingress:
                     self._completion_stream(served, generation, states, rid, options, ids, echo,
                                             timeout),
                     media_type="text/event-stream", headers=headers)
-            await self._drain(generation, states, timeout)
+            await self._drain(served, generation, states, timeout, started)
             self.metrics.observe_request(served.name, started, states, len(ids))
             for st in self._best(states, body.n, options):
                 choices.append(CompletionChoice(

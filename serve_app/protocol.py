@@ -31,21 +31,27 @@ def _param_path(path: list[str | int]) -> str | None:
 def _reject_unencodable(body: Any) -> Any:
     """A lone surrogate (valid JSON "\\ud800", but no text) cannot be tokenized: a 400 that
     names the field, not a 500 from the tokenizer. Iterative: depth was checked before."""
-    stack: list[tuple[Any, list[str | int]]] = [(body, [])]
+    def check(text: str, path: tuple[str | int, ...]) -> None:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError("the string contains a lone UTF-16 surrogate, which is not valid "
+                           "Unicode text", param=_param_path(list(path))) from None
+
+    containers = (str, dict, list)
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(body, ())]
     while stack:
         node, path = stack.pop()
         if isinstance(node, str):
-            try:
-                node.encode("utf-8")
-            except UnicodeEncodeError:
-                raise APIError("the string contains a lone UTF-16 surrogate, which is not valid "
-                               "Unicode text", param=_param_path(path)) from None
+            check(node, path)
         elif isinstance(node, dict):
             for k, v in node.items():
-                stack.append((k, path))
-                stack.append((v, [*path, str(k)]))
+                if isinstance(k, str):
+                    check(k, path)
+                if isinstance(v, containers):
+                    stack.append((v, (*path, str(k))))
         elif isinstance(node, list):
-            stack.extend((v, [*path, i]) for i, v in enumerate(node))
+            stack.extend((v, (*path, i)) for i, v in enumerate(node) if isinstance(v, containers))
     return body
 
 

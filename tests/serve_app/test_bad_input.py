@@ -213,8 +213,8 @@ CASES = [
     raw_case("json-array-body", b'[{"model": "x"}]', None),
     raw_case("json-string-body", b'"hello"', None),
     raw_case("empty-body", b"", None),
-    raw_case("non-utf8-bytes", b'{"model": "x", "messages": [{"role": "user", "content": "\xff\xfe"}]}',
-             None),
+    raw_case("non-utf8-bytes",
+             b'{"model": "x", "messages": [{"role": "user", "content": "\xff\xfe"}]}', None),
     raw_case("ten-megabyte-body", b'{"pad": "' + b"x" * (10 * 2**20) + b'"}', None, status=413),
     raw_case("deeply-nested-10000", b'{"user": ' + b"[" * DEEP + b"]" * DEEP + b"}", None),
     raw_case("nested-100-valid-json", b'{"vllm_xargs": {"a": ' + b"[" * 100 + b"]" * 100

@@ -19,7 +19,8 @@ from serve_app.tool_parser import OutputParser
 
 IM_END = 3993
 
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>'
+CALL = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}'
+        '\n</tool_call>')
 TWO_CALLS = ('<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>\n'
              '<tool_call>{"name": "b", "parameters": {"y": [1, 2]}}</tool_call>')
 TEXTS = [
@@ -36,7 +37,7 @@ TEXTS = [
     "<think>never closed, all reasoning",
     '<tool_call>{"name": "late", "arguments": {"k": "v"}}',  # unterminated but valid JSON
     "<tool_call>{\"name\": \"broken\", ",  # unterminated and invalid
-    "中文 😀 <think>x</think> <tool_call>{\"name\": \"u\", \"arguments\": {\"s\": \"é😀\"}}</tool_call>",
+    '中文 😀 <think>x</think> <tool_call>{"name": "u", "arguments": {"s": "é😀"}}</tool_call>',
 ]
 
 
