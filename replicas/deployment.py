@@ -195,6 +195,7 @@ class LLMServer:
         e = self.engine
         return {"num_running": e.num_running, "num_waiting": e.num_waiting,
                 "kv_cache_usage": e.blocks.usage, "num_used_blocks": e.blocks.num_used_blocks,
+                "preemptions": e.scheduler.num_preemptions,
                 **asdict(e.stats)}
 
 

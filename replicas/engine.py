@@ -49,7 +49,6 @@ class EngineStats:
     num_steps: int = 0
     prompt_tokens: int = 0  # computed (not cached) prompt tokens
     generation_tokens: int = 0
-    preemptions: int = 0
     forced_tokens: int = 0  # jump-forward: tokens appended without a decode step of their own
 
 

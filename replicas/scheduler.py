@@ -39,6 +39,7 @@ class Scheduler:
         self.blocks = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
 
     def _order(self, seq: Sequence) -> tuple:
         if self.config.priority_scheduling:
@@ -62,6 +63,7 @@ class Scheduler:
         self.blocks.free_sequence(seq)
 
     def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
         self.running.remove(seq)
         self.blocks.free_sequence(seq)
         seq.status = SequenceStatus.WAITING

@@ -28,6 +28,9 @@ class Metrics:
         self.generation_tokens = Gauge("vllm:generation_tokens_total", "Tokens generated", label,
                                        registry=r)
         self.preemptions = Gauge("vllm:num_preemptions_total", "Preemptions", label, registry=r)
+        self.forced = Gauge("shardserve:jump_forward_tokens_total",
+                            "Constrained tokens appended without a decode step of their own",
+                            label, registry=r)
         self.success = Counter("vllm:request_success", "Finished requests",
                                label + ["finished_reason"], registry=r)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", label,
@@ -66,6 +69,7 @@ class Metrics:
         self.prompt_tokens.labels(model).set(stats["prompt_tokens"])
         self.generation_tokens.labels(model).set(stats["generation_tokens"])
         self.preemptions.labels(model).set(stats["preemptions"])
+        self.forced.labels(model).set(stats["forced_tokens"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -163,3 +163,19 @@ async def test_allowlisted_logits_processor_applies(server: LLMServer) -> None:
     with pytest.raises(EngineError):
         await _collect(server, GenerateRequest("bad-proc", prompt, SamplingParams(
             max_tokens=2, logits_processors=(("os:system", "{}"),))))
+
+
+async def test_preemption_by_recompute_keeps_outputs_exact() -> None:
+    # a cache of one full-length sequence (128 tokens) for 8 requests that need 80 each
+    small = LLMServer(ReplicaConfig(model=EMBEDDED_MODEL_ID, max_model_len=128,
+                                    kv_cache_gib=1e-9, max_num_seqs=8, block_size=16,
+                                    enable_prefix_caching=False))
+    assert small.engine.blocks.num_blocks == 8
+    reqs = [GenerateRequest(f"pre{i}", p[:40] + (1,) * max(0, 40 - len(p)),
+                            SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+            for i, p in enumerate(_prompts(8, seed=9))]
+    alone = [_tokens((await _collect(small, r))[0]) for r in reqs]
+    together = await asyncio.gather(*(_collect(small, r) for r in reqs))
+    assert [_tokens(t[0]) for t in together] == alone
+    assert small.engine.scheduler.num_preemptions > 0
+    assert small.engine.blocks.num_used_blocks == 0
