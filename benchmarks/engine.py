@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import random
 import time
@@ -94,8 +95,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for k, (i, o) in enumerate(lens)]
     asyncio.run(_run(server, [GenerateRequest("warm", (11, 12, 13), SamplingParams(
         max_tokens=4, ignore_eos=True))]))
-    steps0 = server.engine.stats.num_steps
+    before = dataclasses.replace(server.engine.stats)
     elapsed = asyncio.run(_run(server, reqs))
+    stats = server.engine.stats
     out_tokens = sum(o for _, o in lens)
     in_tokens = sum(i for i, _ in lens)
     batch = min(n, args.max_num_seqs)
@@ -106,7 +108,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "input_tokens": in_tokens, "output_tokens": out_tokens, "elapsed_s": elapsed,
         "output_tokens_per_s": out_tokens / elapsed,
         "total_tokens_per_s": (in_tokens + out_tokens) / elapsed,
-        "steps": server.engine.stats.num_steps - steps0,
+        "steps": stats.num_steps - before.num_steps,
+        "decode_only_steps": stats.decode_steps - before.decode_steps,
+        "decode_only_step_ms": 1e3 * (stats.decode_step_s - before.decode_step_s)
+        / max(1, stats.decode_steps - before.decode_steps),
+        "prefill_steps": stats.prefill_steps - before.prefill_steps,
+        "prefill_steps_s": stats.prefill_step_s - before.prefill_step_s,
+        "forward_s": (stats.decode_step_s + stats.prefill_step_s
+                      - before.decode_step_s - before.prefill_step_s),
         "roofline_decode_step_ms_at_batch": roof * 1e3, "roofline_batch": batch,
         "roofline_decode_tokens_per_s": batch / roof,
         "single_stream_pass_ms": single * 1e3,

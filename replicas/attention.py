@@ -29,9 +29,14 @@ class PrefillRow:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
     decode_token_index: torch.Tensor | None  # [Bd] flat positions of the decode rows' tokens
-    decode_context_slots: torch.Tensor | None  # [Bd, Kmax] padded with slot 0
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, Kmax] True where the key is real
+    decode_block_tables: torch.Tensor | None  # [Bd, max blocks] padded with block 0
+    decode_mask: torch.Tensor | None  # [Bd, 1, 1, max blocks * block size] True: a real key
     prefill_rows: tuple[PrefillRow, ...]
+    block_size: int = 16
+    # reused by every layer for the decode gathers: fresh multi-MB tensors per layer would be
+    # page-faulted in (and zeroed by the kernel) every time
+    decode_k_buffer: torch.Tensor | None = None
+    decode_v_buffer: torch.Tensor | None = None
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -42,10 +47,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
     out = torch.empty_like(q)
     if meta.decode_token_index is not None:
-        slots = meta.decode_context_slots  # [Bd, Kmax]
-        shape = (k_cache.shape[0], *slots.shape, k_cache.shape[2])  # [Hkv, Bd, Kmax, D]
-        kd = k_cache.index_select(1, slots.flatten()).view(shape)
-        vd = v_cache.index_select(1, slots.flatten()).view(shape)
+        # gather whole blocks (block_size x head_dim contiguous bytes each), not single slots:
+        # a few large copies instead of one small copy per key
+        tables = meta.decode_block_tables  # [Bd, nb]
+        kv_heads, _, dim = k_cache.shape
+        blocked = (kv_heads, -1, meta.block_size, dim)
+        shape = (kv_heads, tables.shape[0], tables.shape[1] * meta.block_size, dim)
+        flat = tables.flatten()
+        kd = torch.index_select(k_cache.view(blocked), 1, flat,
+                                out=_buffer(meta.decode_k_buffer, k_cache, blocked, flat))
+        vd = torch.index_select(v_cache.view(blocked), 1, flat,
+                                out=_buffer(meta.decode_v_buffer, v_cache, blocked, flat))
+        kd, vd = kd.view(shape), vd.view(shape)
         o = decode_attention(q.index_select(0, meta.decode_token_index), kd, vd,
                              meta.decode_mask, scale)
         out.index_copy_(0, meta.decode_token_index, o)
@@ -66,6 +79,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                                                enable_gqa=True)
         out[row.start:row.end] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def _buffer(buf: torch.Tensor | None, cache: torch.Tensor, blocked: tuple,
+            flat: torch.Tensor) -> torch.Tensor:
+    shape = (blocked[0], flat.numel(), blocked[2], blocked[3])
+    if buf is None:
+        return cache.new_empty(shape)
+    return buf[: shape[0] * shape[1] * shape[2] * shape[3]].view(shape)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

@@ -49,6 +49,11 @@ class EngineStats:
     num_steps: int = 0
     prompt_tokens: int = 0  # computed (not cached) prompt tokens
     generation_tokens: int = 0
+    # where the time goes: forward time of steps that only decode vs steps that also prefill
+    decode_steps: int = 0
+    decode_step_s: float = 0.0
+    prefill_steps: int = 0
+    prefill_step_s: float = 0.0
     forced_tokens: int = 0  # jump-forward: tokens appended without a decode step of their own
 
 
@@ -172,6 +177,7 @@ class Engine:
                 continue
             try:
                 loop = asyncio.get_running_loop()
+                started = time.perf_counter()
                 forward = loop.run_in_executor(None, self.executor.execute,
                                                self._step_input(scheduled))
                 # the constraint masks of this step need only the tokens so far, so they are
@@ -180,6 +186,7 @@ class Engine:
                     masks = self._fill_masks(scheduled)
                 finally:
                     out = await forward
+                self._account(scheduled, time.perf_counter() - started)
                 self._postprocess(scheduled, out, masks)
             except Exception as exc:
                 logger.exception("engine step failed")
@@ -223,6 +230,14 @@ class Engine:
                                  tuple(seq.block_table), s.samples,
                                  seq.prompt_logprobs is not None and start < seq.num_prompt_tokens))
         return StepInput(tuple(rows))
+
+    def _account(self, scheduled: list[ScheduledSeq], seconds: float) -> None:
+        if all(s.num_new_tokens == 1 for s in scheduled):
+            self.stats.decode_steps += 1
+            self.stats.decode_step_s += seconds
+        else:
+            self.stats.prefill_steps += 1
+            self.stats.prefill_step_s += seconds
 
     def _fill_masks(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int]] | None:
         sampling = [s.seq for s in scheduled if s.samples]

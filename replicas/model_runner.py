@@ -38,18 +38,19 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int) -> None:
         self.model = model
         self.device = kv_cache.device
+        self._workspace: torch.Tensor | None = None
         self.kv_cache = kv_cache
         self.block_size = block_size
 
-    def _slots(self, block_table: tuple[int, ...], start: int, end: int) -> torch.Tensor:
-        pos = torch.arange(start, end)
-        table = torch.tensor(block_table, dtype=torch.long)
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+    def _slots(self, block_table: tuple[int, ...], start: int, end: int) -> list[int]:
+        # plain ints: for the one or few slots of a decode row, cheaper than building tensors
+        bs = self.block_size
+        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
     def prepare(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         ids: list[int] = []
         positions: list[int] = []
-        slot_parts: list[torch.Tensor] = []
+        slot_mapping: list[int] = []
         decode_index: list[int] = []
         decode_tables: list[tuple[int, ...]] = []
         decode_lens: list[int] = []
@@ -59,29 +60,43 @@ class ModelRunner:
             offset = len(ids)
             ids.extend(row.token_ids)
             positions.extend(range(row.start, row.start + n))
-            slot_parts.append(self._slots(row.block_table, row.start, row.start + n))
+            slot_mapping.extend(self._slots(row.block_table, row.start, row.start + n))
             if n == 1:
                 decode_index.append(offset)
                 decode_tables.append(row.block_table)
                 decode_lens.append(row.start + 1)
             else:
-                ctx = None if row.start == 0 else self._slots(row.block_table, 0, row.start + n)
+                ctx = (None if row.start == 0
+                       else torch.tensor(self._slots(row.block_table, 0, row.start + n)))
                 prefill.append(PrefillRow(offset, offset + n, ctx))
         meta_decode: tuple = (None, None, None)
         if decode_index:
             bs = self.block_size
-            width = max(len(t) for t in decode_tables)
-            tables = torch.tensor([t + (0,) * (width - len(t)) for t in decode_tables])
-            slots = (tables.unsqueeze(-1) * bs + torch.arange(bs)).flatten(1)  # [Bd, width*bs]
-            kmax = max(decode_lens)
-            slots = slots[:, :kmax]
-            mask = torch.arange(kmax).unsqueeze(0) < torch.tensor(decode_lens).unsqueeze(1)
-            meta_decode = (torch.tensor(decode_index), slots, mask[:, None, None, :])
-        meta = AttentionMetadata(torch.cat(slot_parts), *meta_decode, tuple(prefill))
+            # only the blocks a row's context reaches: tables may hold blocks reserved ahead
+            width = max(-(-n // bs) for n in decode_lens)
+            tables = torch.tensor([t[:width] + (0,) * (width - len(t[:width]))
+                                   for t in decode_tables])
+            keys = torch.arange(width * bs).unsqueeze(0)
+            mask = keys < torch.tensor(decode_lens).unsqueeze(1)
+            meta_decode = (torch.tensor(decode_index), tables, mask[:, None, None, :])
+        k_buf = v_buf = None
+        if decode_index:
+            k_cache = self.kv_cache[0, 0]  # [Hkv, slots, D]
+            k_buf, v_buf = self._gather_buffers(
+                k_cache.shape[0] * tables.numel() * bs * k_cache.shape[2])
+        meta = AttentionMetadata(torch.tensor(slot_mapping), *meta_decode, tuple(prefill),
+                                 self.block_size, k_buf, v_buf)
         if self.device.type != "cpu":
             meta = _to_device(meta, self.device)
         return (torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
                 meta)
+
+    def _gather_buffers(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two flat workspaces of at least `numel` elements, grown (never shrunk) on demand."""
+        if self._workspace is None or self._workspace.shape[1] < numel:
+            self._workspace = torch.empty(2, int(numel * 1.25), dtype=self.kv_cache.dtype,
+                                          device=self.device)
+        return self._workspace[0], self._workspace[1]
 
     @torch.no_grad()
     def execute(self, step: StepInput) -> StepOutput:
@@ -109,4 +124,5 @@ def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetada
         return None if t is None else t.to(device, non_blocking=True)
     rows = tuple(PrefillRow(r.start, r.end, move(r.context_slots)) for r in meta.prefill_rows)
     return AttentionMetadata(move(meta.slot_mapping), move(meta.decode_token_index),
-                             move(meta.decode_context_slots), move(meta.decode_mask), rows)
+                             move(meta.decode_block_tables), move(meta.decode_mask), rows,
+                             meta.block_size, meta.decode_k_buffer, meta.decode_v_buffer)

@@ -149,10 +149,12 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int],
         temps = torch.tensor([s.params.temperature if not s.params.greedy else 1.0 for s in seqs])
         scaled = _top_k_top_p_min_p(logits / temps.unsqueeze(1), seqs)
         probs = scaled.softmax(-1)
-        q = torch.empty_like(probs).exponential_()
+        # q ~ Exp(1) as -log(U): several times faster on CPU than Tensor.exponential_
+        q = torch.rand_like(probs)
         for i, s in enumerate(seqs):
             if s.generator is not None and not s.params.greedy:
-                q[i].exponential_(generator=s.generator)
+                q[i] = torch.rand(q.shape[1], generator=s.generator)
+        q = q.log_().neg_()
         sampled = (probs / q).argmax(-1)
         tokens = torch.where(greedy, tokens, sampled)
 

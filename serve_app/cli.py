@@ -124,6 +124,7 @@ def serve_main(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the output
     parser = argparse.ArgumentParser(prog="shardserve")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
