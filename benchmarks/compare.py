@@ -66,7 +66,9 @@ def _server(cmd: list[str], port: int, timeout: float, log: Path) -> Iterator[st
             if proc.poll() is not None:
                 raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}; see {log}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{base}/v1/models", timeout=5).status_code == 200:
+                # /health where there is one: transformers serve's /v1/models scans the HF
+                # hub cache and fails when there is none
+                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
                     break
             time.sleep(1)
         else:
@@ -80,6 +82,13 @@ def _server(cmd: list[str], port: int, timeout: float, log: Path) -> Iterator[st
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def _served_model(base: str, default: str) -> str:
+    try:
+        return httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError):
+        return default
 
 
 def _serve_cmd(peer: str, args: argparse.Namespace, path: Path, port: int) -> list[str]:
@@ -102,8 +111,8 @@ def _serve_cmd(peer: str, args: argparse.Namespace, path: Path, port: int) -> li
 
 
 async def _load(base: str, model: str, requests: list[BenchRequest],
-                args: argparse.Namespace) -> dict[str, Any]:
-    config = ClientConfig(base_url=base, model=model, ignore_eos=True)
+                args: argparse.Namespace, ignore_eos: bool) -> dict[str, Any]:
+    config = ClientConfig(base_url=base, model=model, ignore_eos=ignore_eos)
     async with StreamingClient(config) as client:
         run = await run_benchmark(client.send, requests, RunSettings(
             max_concurrency=args.concurrency, num_warmups=args.num_warmups, seed=args.seed,
@@ -156,8 +165,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             log = Path(f"/tmp/bench-compare-{peer}.log")
             with _server(_serve_cmd(peer, args, path, port), port, args.startup_timeout,
                          log) as base:
-                model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
-                results[peer] = asyncio.run(_load(base, model, requests, args))
+                model = _served_model(base, str(path))
+                # transformers serve rejects vLLM's ignore_eos; its lengths rest on max_tokens
+                # (the random-weight models here almost never sample EOS)
+                results[peer] = asyncio.run(_load(base, model, requests, args,
+                                                  ignore_eos=peer != "transformers-serve"))
         print(json.dumps({k: results[peer].get(k) for k in (
             "output_throughput", "median_ttft_ms", "median_tpot_ms")}), flush=True)
     return results

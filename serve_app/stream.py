@@ -223,10 +223,17 @@ def prompt_logprobs_json(entries: tuple | None, prompt_ids: list[int],
     return out[: len(prompt_ids)]
 
 
+# Line breaks JSON leaves raw inside strings; line readers built on str.splitlines (httpx's
+# aiter_lines among them) would cut an event there
+_SSE_UNSAFE = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(obj: Any) -> str:
     if hasattr(obj, "model_dump_json"):
-        return f"data: {obj.model_dump_json(exclude_unset=False, exclude_none=True)}\n\n"
-    return f"data: {json.dumps(obj)}\n\n"
+        text = obj.model_dump_json(exclude_unset=False, exclude_none=True)
+    else:
+        text = json.dumps(obj, ensure_ascii=False)
+    return f"data: {text.translate(_SSE_UNSAFE)}\n\n"
 
 
 DONE = "data: [DONE]\n\n"
