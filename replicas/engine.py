@@ -323,9 +323,8 @@ class Engine:
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params
-        if seq.finish_reason is not None:  # the constraint ended the output
-            pass
-        elif seq.num_output_tokens >= p.min_tokens:
+        # a finish_reason already set means the constraint ended the output
+        if seq.finish_reason is None and seq.num_output_tokens >= p.min_tokens:
             if token in self.eos_ids and not p.ignore_eos:
                 seq.finish_reason = "stop"
             elif token in p.stop_token_ids:

@@ -67,6 +67,11 @@ class ShardWorker:
     def ping(self) -> int:
         return os.getpid()
 
+    def node_id(self) -> str | None:
+        """The Ray node this rank runs on (None outside Ray)."""
+        import ray
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
     def num_parameters(self) -> int:
         """Elements of the weights this rank holds (its shard)."""
         return sum(p.numel() for p in self.runner.model.parameters())

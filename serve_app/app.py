@@ -36,7 +36,7 @@ def replica_options(model: ModelConfig) -> dict[str, Any]:
         options["num_replicas"] = model.num_replicas
     if model.tensor_parallel_size > 1:
         # bundle 0: the replica (scheduler, sampler); bundles 1..N: one shard worker each
-        shard: dict[str, float] = {"CPU": model.shard_num_cpus}
+        shard: dict[str, float] = {"CPU": model.shard_num_cpus, **model.shard_resources}
         if model.shard_num_gpus:
             shard["GPU"] = model.shard_num_gpus
         options["placement_group_bundles"] = ([{"CPU": model.replica_num_cpus}]

@@ -37,7 +37,7 @@ def apply_memory_strategy(messages: list[Message], strategy: MemoryStrategy | No
     return [m for i, m in enumerate(messages) if m.role in ("system", "developer") or i in keep]
 
 
-def _text_of(message: Message, index: int) -> str | None:
+def text_of(message: Message, index: int) -> str | None:
     content = message.content
     if content is None or isinstance(content, str):
         return content
@@ -60,7 +60,7 @@ def to_template_messages(messages: list[Message]) -> list[dict[str, Any]]:
         role = m.role
         if m.author is not None and "role" in m.author:
             role = str(m.author["role"])
-        msg: dict[str, Any] = {"role": role, "content": _text_of(m, i) or ""}
+        msg: dict[str, Any] = {"role": role, "content": text_of(m, i) or ""}
         if m.name:
             msg["name"] = m.name
         reasoning = m.reasoning_content or m.reasoning

@@ -304,7 +304,7 @@ class Ingress:
         # or the last message's own when no generation prompt opens a new turn
         if options.echo and (not body.add_generation_prompt
                              or body.messages[-1].role == "assistant"):
-            echo = chat._text_of(body.messages[-1], len(body.messages) - 1) or ""
+            echo = chat.text_of(body.messages[-1], len(body.messages) - 1) or ""
         headers = self._id_header(body, request)
         timeout = options.timeout_s or self.config.request_timeout_s
         if options.stream:
