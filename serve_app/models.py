@@ -3,6 +3,7 @@ the tokenizer of each, and the replica handle requests fan out to."""
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,8 +29,9 @@ class ServedModel:
     def name(self) -> str:
         return self.config.name
 
-    @property
+    @functools.cached_property
     def has_think_tokens(self) -> bool:
+        # get_vocab() builds the whole dict: once per model, not once per request
         vocab = self.tokenizer.get_vocab()
         return "<think>" in vocab and "</think>" in vocab
 
