@@ -310,7 +310,7 @@ class Ingress:
         if options.stream:
             return StreamingResponse(
                 self._chat_stream(served, generation, states, rid, options, ids, echo, started,
-                                  timeout, body.n),
+                                  timeout),
                 media_type="text/event-stream", headers=headers)
         await self._drain(served, generation, states, timeout, started)
         self.metrics.observe_request(served.name, started, states, len(ids))
@@ -377,8 +377,8 @@ class Ingress:
 
     async def _chat_stream(self, served: ServedModel, generation: Generation,
                            states: list[ChoiceState], rid: str, options: sampling.OutputOptions,
-                           ids: list[int], echo: str, started: float, timeout: float,
-                           n: int) -> AsyncIterator[str]:
+                           ids: list[int], echo: str, started: float,
+                           timeout: float) -> AsyncIterator[str]:
         created = int(time.time())
         sent_role = [False] * len(states)
 

@@ -210,7 +210,7 @@ def prompt_logprobs_json(entries: tuple | None, prompt_ids: list[int],
     if entries is None:
         return None
     out: list[dict[str, Any] | None] = []
-    for pos, lp in enumerate(entries):
+    for lp in entries:
         if lp is None:
             out.append(None)
             continue

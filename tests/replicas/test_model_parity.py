@@ -39,7 +39,7 @@ def test_prefill_and_paged_decode_match_transformers(tmp_path: Path, arch: str) 
         RowInput(tuple(p), 0, t, True) for p, t in zip(prompts, tables))))
     seqs = [list(p) for p in prompts]
     with torch.no_grad():
-        for step in range(4):
+        for _ in range(4):
             for i, seq in enumerate(seqs):
                 ref = hf(torch.tensor([seq])).logits[0, -1]
                 torch.testing.assert_close(out.logits[i], ref, atol=1e-4, rtol=1e-4)
