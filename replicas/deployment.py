@@ -8,6 +8,7 @@ went away) aborts the request and frees its KV blocks."""
 from __future__ import annotations
 
 import contextlib
+import sys
 import json
 import logging
 import os
@@ -20,7 +21,7 @@ from ray import serve
 from tokenizers import Tokenizer
 from transformers import AutoConfig
 
-from replicas.engine import Engine, EngineConfig
+from replicas.engine import Engine, EngineConfig, compute_thread
 from replicas.logits_processors import load_factory
 from replicas.executor import InProcessExecutor, RayExecutor
 from replicas.model_files import resolve_model_path
@@ -52,6 +53,7 @@ class ReplicaConfig:
     shard_num_gpus: float = 0.0
     logits_processors: tuple[str, ...] = ()  # the allowlist: qualified names
     structured_timeout_s: float = 10.0
+    gil_switch_interval_s: float | None = 0.0005
 
 
 def eos_token_ids(path: Path, hf_config) -> frozenset[int]:
@@ -113,6 +115,11 @@ class LLMServer:
 
     def __init__(self, config: ReplicaConfig) -> None:
         self.config = config
+        if config.gil_switch_interval_s:
+            # the forward runs in a thread that takes the GIL back between torch ops; with
+            # Python's default 5 ms switch interval, every time the event loop thread holds it
+            # the forward stalls for up to 5 ms
+            sys.setswitchinterval(config.gil_switch_interval_s)
         path = resolve_model_path(config.model)
         hf_config = AutoConfig.from_pretrained(path)
         dtype = resolve_dtype(config.dtype, hf_config)
@@ -128,8 +135,10 @@ class LLMServer:
         num_threads = config.num_threads or os.cpu_count() or 1
         worker_config = WorkerConfig(str(path), dtype, num_blocks, config.block_size,
                                      config.tensor_parallel_size, num_threads)
+        compute = compute_thread()
         if config.tensor_parallel_size == 1:
-            executor = InProcessExecutor(worker_config)
+            # built on the thread that will run it: one OpenMP team for all torch work
+            executor = compute.submit(InProcessExecutor, worker_config).result()
         else:
             executor = RayExecutor(worker_config, config.shard_num_cpus, config.shard_num_gpus,
                                    name_prefix=_shard_name_prefix())
@@ -151,7 +160,7 @@ class LLMServer:
                          config.enable_prefix_caching, config.priority_scheduling,
                          sampleable_vocab=_tokenizer_size(path)),
             executor, eos,
-            {name: load_factory(name) for name in config.logits_processors})
+            {name: load_factory(name) for name in config.logits_processors}, compute)
 
     async def _compile(self, constraint: Constraint) -> Compiled:
         if self.compiler is None:

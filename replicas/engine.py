@@ -8,6 +8,7 @@ request's queue as a `TokenBatch`. Knows nothing of text: token ids in, token id
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import json
 import logging
@@ -24,10 +25,14 @@ from replicas.kv_cache import BlockManager
 from replicas.model_runner import RowInput, StepInput, StepOutput
 from replicas.request import (EngineError, GenerateRequest, Sequence, SequenceStatus, TokenBatch,
                               TokenLogprob)
-from replicas.sampler import compute_logprobs, sample
+from replicas.sampler import SamplerOutput, compute_logprobs, sample
 from replicas.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
+
+
+def compute_thread() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-compute")
 
 
 @dataclass(frozen=True)
@@ -59,13 +64,16 @@ class EngineStats:
 
 class Engine:
     def __init__(self, config: EngineConfig, executor: Executor, eos_ids: frozenset[int],
-                 logits_processors: dict[str, Callable[..., Any]] | None = None) -> None:
+                 logits_processors: dict[str, Callable[..., Any]] | None = None,
+                 compute: concurrent.futures.ThreadPoolExecutor | None = None) -> None:
+        """`compute`: the one thread all torch work runs on (build the executor on it too)."""
         if config.num_blocks * config.block_size < config.max_model_len:
             raise ValueError(
                 f"KV cache of {config.num_blocks} blocks x {config.block_size} tokens cannot hold "
                 f"one sequence of max_model_len {config.max_model_len}")
         self.config = config
         self.executor = executor
+        self.compute = compute or compute_thread()
         self.eos_ids = eos_ids
         self.processor_factories = logits_processors or {}
         self.blocks = BlockManager(config.num_blocks, config.block_size,
@@ -178,16 +186,19 @@ class Engine:
             try:
                 loop = asyncio.get_running_loop()
                 started = time.perf_counter()
-                forward = loop.run_in_executor(None, self.executor.execute,
-                                               self._step_input(scheduled))
+                sampling = [s.seq for s in scheduled if s.samples]
+                masks: concurrent.futures.Future = concurrent.futures.Future()
+                work = loop.run_in_executor(self.compute, self._compute_step,
+                                            self._step_input(scheduled), sampling, masks)
                 # the constraint masks of this step need only the tokens so far, so they are
-                # filled here while the forward runs in its thread
+                # filled here while the forward runs on the compute thread
                 try:
-                    masks = self._fill_masks(scheduled)
-                finally:
-                    out = await forward
+                    masks.set_result(self._fill_masks(sampling))
+                except Exception as exc:
+                    masks.set_exception(exc)
+                out, result = await work
                 self._account(scheduled, time.perf_counter() - started)
-                self._postprocess(scheduled, out, masks)
+                self._postprocess(scheduled, out, sampling, result)
             except Exception as exc:
                 logger.exception("engine step failed")
                 await self._on_step_failure(exc, scheduled)
@@ -239,8 +250,24 @@ class Engine:
             self.stats.prefill_steps += 1
             self.stats.prefill_step_s += seconds
 
-    def _fill_masks(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int]] | None:
-        sampling = [s.seq for s in scheduled if s.samples]
+    def _compute_step(self, step: StepInput, sampling: list[Sequence],
+                      masks: concurrent.futures.Future) -> tuple[StepOutput, SamplerOutput | None]:
+        """Forward and sampling, on the compute thread. All of the engine's torch work runs on
+        that one thread: torch ops issued from a second thread bring up a second OpenMP team
+        whose spinning threads slowed the forward by a third here."""
+        out = self.executor.execute(step)
+        bitmask = masks.result()
+        if not sampling:
+            return out, None
+        if self.config.sampleable_vocab is not None:
+            out.logits[:, self.config.sampleable_vocab:] = float("-inf")
+        apply = None
+        if bitmask is not None:
+            words, rows = bitmask
+            apply = lambda logits: bitmask_lib.apply_bitmask(logits, words, rows)  # noqa: E731
+        return out, sample(out.logits, sampling, self.eos_ids, apply)
+
+    def _fill_masks(self, sampling: list[Sequence]) -> tuple[torch.Tensor, list[int]] | None:
         rows = [i for i, seq in enumerate(sampling) if seq.guide is not None and seq.guide_active]
         if not rows:
             return None
@@ -250,12 +277,10 @@ class Engine:
         return bitmask, rows
 
     def _postprocess(self, scheduled: list[ScheduledSeq], out: StepOutput,
-                     masks: tuple[torch.Tensor, list[int]] | None = None) -> None:
+                     sampling: list[Sequence], result: SamplerOutput | None) -> None:
         self.stats.num_steps += 1
-        sampling: list[Sequence] = []
         for s, all_logits in zip(scheduled, out.all_logits):
             seq = s.seq
-            samples = s.samples
             before = seq.num_computed_tokens
             if before < seq.num_prompt_tokens:
                 self.stats.prompt_tokens += min(s.num_new_tokens, seq.num_prompt_tokens - before)
@@ -263,17 +288,8 @@ class Engine:
             self.blocks.commit_full_blocks(seq, before)
             if all_logits is not None:
                 self._prompt_logprobs(seq, before, all_logits)
-            if samples:
-                sampling.append(seq)
-        if not sampling:
+        if result is None:
             return
-        if self.config.sampleable_vocab is not None:
-            out.logits[:, self.config.sampleable_vocab:] = float("-inf")
-        apply = None
-        if masks is not None:
-            bitmask, rows = masks
-            apply = lambda logits: bitmask_lib.apply_bitmask(logits, bitmask, rows)  # noqa: E731
-        result = sample(out.logits, sampling, self.eos_ids, apply)
         for seq, token, lp in zip(sampling, result.token_ids, result.logprobs):
             if seq.request_id in self._aborted or seq.is_finished:
                 continue
