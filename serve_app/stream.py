@@ -5,7 +5,6 @@ calls, collect logprobs and usage. `ChoiceState` turns each `TokenBatch` of one 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +13,7 @@ from serve_app.detokenize import IncrementalDetokenizer
 from serve_app.protocol import LogprobEntry, TopLogprob
 from serve_app.sampling import OutputOptions
 from serve_app.tool_parser import OutputParser, ParsedToolCall
+from structured.vocabulary import token_to_bytes
 
 NEG_INF_LOGPROB = -9999.0
 
@@ -30,22 +30,6 @@ class ChoiceDelta:
     stop_reason: int | str | None = None
 
 
-def _byte_level_decoder() -> dict[str, int]:
-    """GPT-2's bytes_to_unicode, inverted: the character a byte-level BPE token uses per byte."""
-    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-          + list(range(ord("®"), ord("ÿ") + 1)))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
-
-
-_BYTE_LEVEL = _byte_level_decoder()
-_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 class TokenText:
@@ -87,13 +71,8 @@ class TokenText:
             return None
         if not isinstance(piece, str):
             return None
-        if self._byte_level:
-            try:
-                return bytes(_BYTE_LEVEL[c] for c in piece)
-            except KeyError:
-                return None
-        m = _BYTE_FALLBACK.fullmatch(piece)  # sentencepiece byte fallback
-        return bytes([int(m.group(1), 16)]) if m else None
+        return token_to_bytes(piece, self._byte_level, byte_fallback=True,
+                              spiece=not self._byte_level)
 
     def __call__(self, token_id: int) -> str:
         if self.as_ids:

@@ -70,7 +70,8 @@ def _walk_types(node: Any) -> set[str]:
     return found
 
 
-def _token_to_bytes(token: str, byte_level: bool, byte_fallback: bool, spiece: bool) -> bytes:
+def token_to_bytes(token: str, byte_level: bool, byte_fallback: bool, spiece: bool) -> bytes:
+    """The bytes a vocabulary entry stands for (GPT-2 byte-level, `<0xNN>`, or `▁` spaces)."""
     if byte_level:
         if all(c in _UNICODE_TO_BYTE for c in token):
             return bytes(_UNICODE_TO_BYTE[c] for c in token)
@@ -132,7 +133,7 @@ class Vocabulary:
         if isinstance(model.get("vocab"), list):  # Unigram: [[piece, score], ...]
             vocab = {piece: i for i, (piece, _score) in enumerate(model["vocab"])}
         by_id: dict[int, bytes | None] = {
-            i: _token_to_bytes(tok, byte_level, byte_fallback, spiece) for tok, i in vocab.items()}
+            i: token_to_bytes(tok, byte_level, byte_fallback, spiece) for tok, i in vocab.items()}
         special_names: dict[int, str] = {}
         for added in data.get("added_tokens") or []:
             if added.get("special"):
