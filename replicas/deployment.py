@@ -8,10 +8,10 @@ went away) aborts the request and frees its KV blocks."""
 from __future__ import annotations
 
 import contextlib
-import sys
 import json
 import logging
 import os
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,15 +22,15 @@ from tokenizers import Tokenizer
 from transformers import AutoConfig
 
 from replicas.engine import Engine, EngineConfig, compute_thread
-from replicas.logits_processors import load_factory
 from replicas.executor import InProcessExecutor, RayExecutor
+from replicas.logits_processors import load_factory
 from replicas.model_files import resolve_model_path
 from replicas.request import EngineError, GenerateRequest, TokenBatch
+from replicas.worker import WorkerConfig
 from structured.compiler import Compiled, Compiler
 from structured.errors import ConstraintError
 from structured.spec import Constraint
 from structured.vocabulary import Vocabulary
-from replicas.worker import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
