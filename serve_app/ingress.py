@@ -8,6 +8,7 @@ and the replica aborts the request and frees its blocks."""
 
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -93,6 +94,31 @@ class Generation:
 
     def cancel(self) -> None:
         self.call.cancel()
+
+    async def deltas(self, states: list[ChoiceState],
+                     timeout: float) -> AsyncIterator[tuple[ChoiceState, ChoiceDelta]]:
+        """Feeds every batch to its choice's state and yields the deltas, until every choice is
+        done or `timeout` passes; failures come out as APIError (408 for the timeout). The call
+        is cancelled when this ends, however it ends, so the replica frees the request."""
+        try:
+            async with asyncio.timeout(timeout):
+                async for batches in self:
+                    for b in batches:
+                        st = states[b.choice_index]
+                        delta = st.on_batch(b)
+                        if delta is not None:
+                            yield st, delta
+                    if all(s.done for s in states):
+                        break
+        except TimeoutError:
+            raise APIError(f"the request took longer than its {timeout:g} s timeout", 408,
+                           param="inference_timeout") from None
+        except APIError:
+            raise
+        except Exception as exc:
+            raise APIError.from_exception(exc) from None
+        finally:
+            self.cancel()
 
 
 @serve.deployment(max_ongoing_requests=512, ray_actor_options={"num_cpus": 0.25})
@@ -355,25 +381,11 @@ class Ingress:
                      states: list[ChoiceState], timeout: float, started: float) -> None:
         """Non-streaming: runs the generation to its end, each state accumulating its output."""
         first = True
-        try:
-            async with asyncio.timeout(timeout):
-                async for batches in generation:
-                    if first:
-                        first = False
-                        self.metrics.observe_first_token(served.name, started)
-                    for b in batches:
-                        states[b.choice_index].on_batch(b)
-                    if all(s.done for s in states):
-                        break
-        except TimeoutError:
-            raise APIError(f"the request took longer than its {timeout:g} s timeout", 408,
-                           param="inference_timeout") from None
-        except APIError:
-            raise
-        except Exception as exc:
-            raise APIError.from_exception(exc) from None
-        finally:
-            generation.cancel()
+        async with contextlib.aclosing(generation.deltas(states, timeout)) as deltas:
+            async for _ in deltas:
+                if first:
+                    first = False
+                    self.metrics.observe_first_token(served.name, started)
 
     async def _chat_stream(self, served: ServedModel, generation: Generation,
                            states: list[ChoiceState], rid: str, options: sampling.OutputOptions,
@@ -386,43 +398,27 @@ class Ingress:
             return sse(ChatCompletionChunk(id=rid, created=created, model=served.name,
                                            choices=[choice], usage=usage))
         try:
-            async with asyncio.timeout(timeout):
-                async for batches in generation:
-                    for b in batches:
-                        st = states[b.choice_index]
-                        delta = st.on_batch(b)
-                        if delta is None:
-                            continue
-                        if not sent_role[st.index]:
-                            sent_role[st.index] = True
-                            self.metrics.observe_first_token(served.name, started)
-                            yield chunk(ChunkChoice(index=st.index, delta=Delta(
-                                role="assistant", content=echo)),
-                                Usage(prompt_tokens=len(ids), completion_tokens=0,
-                                      total_tokens=len(ids))
-                                if options.continuous_usage_stats else None)
-                        if not (delta.content or delta.reasoning or delta.tool_calls
-                                or delta.finish_reason or delta.logprobs
-                                or options.return_token_ids):
-                            continue  # held text (a partial character or stop string)
-                        yield chunk(self._chunk_choice(delta, options),
-                                    self._usage(states, ids) if
-                                    options.continuous_usage_stats else None)
-                    if all(s.done for s in states):
-                        break
-            if options.include_usage:
-                yield sse(ChatCompletionChunk(id=rid, created=created, model=served.name,
-                                              choices=[], usage=self._usage(states, ids)))
-            self.metrics.observe_request(served.name, started, states, len(ids))
-        except TimeoutError:
-            yield APIError(f"the request took longer than its {timeout:g} s timeout", 408,
-                           param="inference_timeout").sse()
-        except asyncio.CancelledError:
-            raise  # the client went away: the finally below cancels the replica call
-        except Exception as exc:
-            yield APIError.from_exception(exc).sse()
-        finally:
-            generation.cancel()
+            async with contextlib.aclosing(generation.deltas(states, timeout)) as deltas:
+                async for st, delta in deltas:
+                    if not sent_role[st.index]:
+                        sent_role[st.index] = True
+                        self.metrics.observe_first_token(served.name, started)
+                        yield chunk(ChunkChoice(index=st.index, delta=Delta(
+                            role="assistant", content=echo)),
+                            Usage(prompt_tokens=len(ids), completion_tokens=0,
+                                  total_tokens=len(ids))
+                            if options.continuous_usage_stats else None)
+                    if not (delta.content or delta.reasoning or delta.tool_calls
+                            or delta.finish_reason or delta.logprobs or options.return_token_ids):
+                        continue  # held text (a partial character or stop string)
+                    usage = self._usage(states, ids) if options.continuous_usage_stats else None
+                    yield chunk(self._chunk_choice(delta, options), usage)
+                if options.include_usage:
+                    yield sse(ChatCompletionChunk(id=rid, created=created, model=served.name,
+                                                  choices=[], usage=self._usage(states, ids)))
+                self.metrics.observe_request(served.name, started, states, len(ids))
+        except APIError as exc:  # after the 200: the error travels in the stream
+            yield exc.sse()
         yield DONE
 
     @staticmethod
@@ -549,43 +545,28 @@ class Ingress:
                 obj["usage"] = usage.model_dump()
             return sse(obj)
         try:
-            async with asyncio.timeout(timeout):
-                async for batches in generation:
-                    for b in batches:
-                        st = states[b.choice_index]
-                        delta = st.on_batch(b)
-                        if delta is None:
-                            continue
-                        text = delta.content
-                        if not echoed[st.index]:
-                            echoed[st.index] = True
-                            text = echo + text
-                        c: dict[str, Any] = {"index": st.index, "text": text,
-                                             "finish_reason": delta.finish_reason,
-                                             "stop_reason": delta.stop_reason,
-                                             "logprobs": None}
-                        if options.logprobs:
-                            c["logprobs"] = {
-                                "tokens": [e.token for e in delta.logprobs],
-                                "token_logprobs": [e.logprob for e in delta.logprobs],
-                                "top_logprobs": [{t.token: t.logprob for t in e.top_logprobs}
-                                                 or None for e in delta.logprobs],
-                                "text_offset": []}
-                        if options.return_token_ids:
-                            c["token_ids"] = delta.token_ids
-                        yield chunk([c], self._usage(states, ids)
-                                    if options.continuous_usage_stats else None)
-                    if all(s.done for s in states):
-                        break
-            if options.include_usage:
-                yield chunk([], self._usage(states, ids))
-        except TimeoutError:
-            yield APIError(f"the request took longer than its {timeout:g} s timeout", 408,
-                           param="inference_timeout").sse()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            yield APIError.from_exception(exc).sse()
-        finally:
-            generation.cancel()
+            async with contextlib.aclosing(generation.deltas(states, timeout)) as deltas:
+                async for st, delta in deltas:
+                    text = delta.content
+                    if not echoed[st.index]:
+                        echoed[st.index] = True
+                        text = echo + text
+                    c: dict[str, Any] = {"index": st.index, "text": text,
+                                         "finish_reason": delta.finish_reason,
+                                         "stop_reason": delta.stop_reason, "logprobs": None}
+                    if options.logprobs:
+                        c["logprobs"] = {
+                            "tokens": [e.token for e in delta.logprobs],
+                            "token_logprobs": [e.logprob for e in delta.logprobs],
+                            "top_logprobs": [{t.token: t.logprob for t in e.top_logprobs} or None
+                                             for e in delta.logprobs],
+                            "text_offset": []}
+                    if options.return_token_ids:
+                        c["token_ids"] = delta.token_ids
+                    yield chunk([c], self._usage(states, ids)
+                                if options.continuous_usage_stats else None)
+                if options.include_usage:
+                    yield chunk([], self._usage(states, ids))
+        except APIError as exc:  # after the 200: the error travels in the stream
+            yield exc.sse()
         yield DONE
