@@ -1,14 +1,15 @@
 """Attention over the paged KV cache.
 
-The cache of one layer is `[kv_heads, slots, head_dim]` for K and for V: gathering a row's context
-slots along dim 1 yields `[kv_heads, keys, head_dim]`, already the layout the matmuls want, so the
-decode path copies nothing but the gather itself.
+The cache of one layer is `[kv_heads, slots, head_dim]` for K and for V. On CPUs the native kernel
+(`replicas.kernels`) attends decode rows over it in place. Elsewhere (GPUs, or no C compiler) a
+row's blocks are gathered as rows of the 2-D view `[kv_heads * blocks, block_size * head_dim]`,
+which yields `[kv_heads, rows, keys, head_dim]`, already the layout the two matmuls want.
 
 The model runner describes one step with `AttentionMetadata` (built once per step, shared by every
 layer): where each new token's K/V goes (`slot_mapping`) and, per row, which cache slots form its
-context. Rows that add one token (decode) are attended in one batched call over a padded gather;
-rows that add several (prefill chunks) are attended one row at a time with a causal mask offset by
-their cached prefix."""
+context. Rows that add one token (decode) are attended in one call; rows that add several
+(prefill chunks) are attended one row at a time with a causal mask offset by their cached
+prefix."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from replicas import kernels
 
 
 @dataclass(frozen=True)
@@ -28,11 +31,16 @@ class PrefillRow:
 @dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
-    decode_token_index: torch.Tensor | None  # [Bd] flat positions of the decode rows' tokens
-    decode_block_tables: torch.Tensor | None  # [Bd, max blocks] padded with block 0
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, max blocks * block size] True: a real key
     prefill_rows: tuple[PrefillRow, ...]
     block_size: int = 16
+    decode_token_index: torch.Tensor | None = None  # [Bd] flat positions of the decode rows' tokens
+    decode_block_tables: torch.Tensor | None = None  # [Bd, max blocks] padded with block 0
+    decode_context_lens: torch.Tensor | None = None  # [Bd] keys each decode row attends to
+    native_decode: bool = False  # decode rows through the native kernel: none of the below
+    # the torch path: [Hkv * Bd * max blocks] rows h * num_blocks + block of the cache viewed as
+    # [Hkv * num_blocks, block_size * D], in (kv head, row, block) order
+    decode_gather_index: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, max blocks * block size] True: real key
     # reused by every layer for the decode gathers: fresh multi-MB tensors per layer would be
     # page-faulted in (and zeroed by the kernel) every time
     decode_k_buffer: torch.Tensor | None = None
@@ -46,18 +54,24 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
     v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
     out = torch.empty_like(q)
-    if meta.decode_token_index is not None:
-        # gather whole blocks (block_size x head_dim contiguous bytes each), not single slots:
-        # a few large copies instead of one small copy per key
+    if meta.native_decode:
+        o = kernels.paged_decode_attention(q.index_select(0, meta.decode_token_index), k_cache,
+                                           v_cache, meta.decode_block_tables,
+                                           meta.decode_context_lens, meta.block_size, scale)
+        out.index_copy_(0, meta.decode_token_index, o)
+    elif meta.decode_token_index is not None:
+        # gather whole blocks (block_size x head_dim contiguous bytes each) as rows of a 2-D view:
+        # index_select along dim 0 is a parallel memcpy per row; along dim 1 of the 4-D view it
+        # was several times slower
         tables = meta.decode_block_tables  # [Bd, nb]
-        kv_heads, _, dim = k_cache.shape
-        blocked = (kv_heads, -1, meta.block_size, dim)
+        kv_heads, slots, dim = k_cache.shape
+        rows = (kv_heads * slots // meta.block_size, meta.block_size * dim)
         shape = (kv_heads, tables.shape[0], tables.shape[1] * meta.block_size, dim)
-        flat = tables.flatten()
-        kd = torch.index_select(k_cache.view(blocked), 1, flat,
-                                out=_buffer(meta.decode_k_buffer, k_cache, blocked, flat))
-        vd = torch.index_select(v_cache.view(blocked), 1, flat,
-                                out=_buffer(meta.decode_v_buffer, v_cache, blocked, flat))
+        index = meta.decode_gather_index
+        kd = torch.index_select(k_cache.view(rows), 0, index,
+                                out=_buffer(meta.decode_k_buffer, k_cache, rows, index))
+        vd = torch.index_select(v_cache.view(rows), 0, index,
+                                out=_buffer(meta.decode_v_buffer, v_cache, rows, index))
         kd, vd = kd.view(shape), vd.view(shape)
         o = decode_attention(q.index_select(0, meta.decode_token_index), kd, vd,
                              meta.decode_mask, scale)
@@ -81,12 +95,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     return out
 
 
-def _buffer(buf: torch.Tensor | None, cache: torch.Tensor, blocked: tuple,
-            flat: torch.Tensor) -> torch.Tensor:
-    shape = (blocked[0], flat.numel(), blocked[2], blocked[3])
+def _buffer(buf: torch.Tensor | None, cache: torch.Tensor, rows: tuple[int, int],
+            index: torch.Tensor) -> torch.Tensor:
+    shape = (index.numel(), rows[1])
     if buf is None:
         return cache.new_empty(shape)
-    return buf[: shape[0] * shape[1] * shape[2] * shape[3]].view(shape)
+    return buf[: shape[0] * shape[1]].view(shape)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

@@ -6,10 +6,12 @@ rows that asked for prompt logprobs)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
+from replicas import kernels
 from replicas.attention import AttentionMetadata, PrefillRow
 
 
@@ -41,6 +43,7 @@ class ModelRunner:
         self._workspace: torch.Tensor | None = None
         self.kv_cache = kv_cache
         self.block_size = block_size
+        self.native_decode = kernels.supports(kv_cache.dtype, kv_cache.device)
 
     def _slots(self, block_table: tuple[int, ...], start: int, end: int) -> list[int]:
         # plain ints: for the one or few slots of a decode row, cheaper than building tensors
@@ -69,23 +72,28 @@ class ModelRunner:
                 ctx = (None if row.start == 0
                        else torch.tensor(self._slots(row.block_table, 0, row.start + n)))
                 prefill.append(PrefillRow(offset, offset + n, ctx))
-        meta_decode: tuple = (None, None, None)
+        decode: dict = {}
         if decode_index:
             bs = self.block_size
             # only the blocks a row's context reaches: tables may hold blocks reserved ahead
             width = max(-(-n // bs) for n in decode_lens)
             tables = torch.tensor([t[:width] + (0,) * (width - len(t[:width]))
                                    for t in decode_tables])
-            keys = torch.arange(width * bs).unsqueeze(0)
-            mask = keys < torch.tensor(decode_lens).unsqueeze(1)
-            meta_decode = (torch.tensor(decode_index), tables, mask[:, None, None, :])
-        k_buf = v_buf = None
-        if decode_index:
-            k_cache = self.kv_cache[0, 0]  # [Hkv, slots, D]
-            k_buf, v_buf = self._gather_buffers(
-                k_cache.shape[0] * tables.numel() * bs * k_cache.shape[2])
-        meta = AttentionMetadata(torch.tensor(slot_mapping), *meta_decode, tuple(prefill),
-                                 self.block_size, k_buf, v_buf)
+            lens = torch.tensor(decode_lens)
+            decode = {"decode_token_index": torch.tensor(decode_index),
+                      "decode_block_tables": tables, "decode_context_lens": lens,
+                      "native_decode": self.native_decode}
+            if not self.native_decode:
+                kv_heads, slots = self.kv_cache.shape[2:4]
+                heads = torch.arange(kv_heads).unsqueeze(1) * (slots // bs)
+                k_buf, v_buf = self._gather_buffers(kv_heads * tables.numel() * bs
+                                                    * self.kv_cache.shape[4])
+                decode |= {"decode_gather_index": (heads + tables.flatten()).flatten(),
+                           "decode_mask": (torch.arange(width * bs).unsqueeze(0)
+                                           < lens.unsqueeze(1))[:, None, None, :],
+                           "decode_k_buffer": k_buf, "decode_v_buffer": v_buf}
+        meta = AttentionMetadata(torch.tensor(slot_mapping), tuple(prefill), self.block_size,
+                                 **decode)
         if self.device.type != "cpu":
             meta = _to_device(meta, self.device)
         return (torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
@@ -123,6 +131,7 @@ def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetada
     def move(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.to(device, non_blocking=True)
     rows = tuple(PrefillRow(r.start, r.end, move(r.context_slots)) for r in meta.prefill_rows)
-    return AttentionMetadata(move(meta.slot_mapping), move(meta.decode_token_index),
-                             move(meta.decode_block_tables), move(meta.decode_mask), rows,
-                             meta.block_size, meta.decode_k_buffer, meta.decode_v_buffer)
+    tensors = {f.name: move(getattr(meta, f.name)) for f in dataclasses.fields(meta)
+               if f.name.startswith("decode_") and not f.name.endswith("_buffer")}
+    return dataclasses.replace(meta, slot_mapping=move(meta.slot_mapping), prefill_rows=rows,
+                               **tensors)

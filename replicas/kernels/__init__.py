@@ -1,0 +1,135 @@
+"""Native CPU kernels: built from the C sources beside this file on first use, loaded with ctypes.
+
+torch has no CPU kernel that attends over a paged cache in place: the torch path gathers every
+row's blocks into a workspace and then runs two batched matmuls over it, moving each cached byte
+three times. `paged_decode_attention.c` reads each key and value once.
+
+The library is compiled with the machine's C compiler (`$CC`, else `cc`) for the CPU it runs on
+and cached under `$SHARDSERVE_CACHE/kernels/<hash of source, flags and CPU>`; the build is atomic,
+so concurrent replicas on one node race harmlessly. Without a compiler (or with
+`SHARDSERVE_NATIVE_KERNELS=0`) `load()` returns None and callers keep the torch path."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("paged_attention.c")
+_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("SHARDSERVE_CACHE") or Path.home() / ".cache" / "shardserve"
+    return Path(root) / "kernels"
+
+
+def _cpu_signature() -> str:
+    # -march=native binds the library to this CPU: a cache dir shared between nodes of
+    # different CPUs must not hand one node's build to another
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _torch_openmp() -> Path | None:
+    lib = Path(torch.__file__).parent / "lib" / "libgomp.so.1"
+    return lib if lib.exists() else None
+
+
+def _build(compiler: str) -> Path:
+    gomp = _torch_openmp()
+    link = [f"-L{gomp.parent}", f"-Wl,-rpath,{gomp.parent}", "-l:libgomp.so.1"] if gomp else []
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS + tuple(link)).encode(),
+                                     _cpu_signature().encode(), compiler.encode()]))
+    out = _cache_dir() / key.hexdigest()[:16] / "libshardserve_kernels.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        staged = Path(tmp) / out.name
+        subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(staged), *link, "-lm"],
+                       check=True, capture_output=True, text=True, timeout=120)
+        os.replace(staged, out)
+    return out
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    for name in ("paged_decode_attention_f32", "paged_decode_attention_bf16"):
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64,
+                       ctypes.c_float, ctypes.c_int]
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel library, built if needed; None where it cannot be (the torch path is used)."""
+    global _lib, _tried
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        if os.environ.get("SHARDSERVE_NATIVE_KERNELS", "1") == "0":
+            return None
+        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        if compiler is None:
+            logger.warning("no C compiler: decode attention uses the slower torch path")
+            return None
+        try:
+            lib = ctypes.CDLL(str(_build(compiler)))
+            _declare(lib)
+        except (OSError, subprocess.SubprocessError, AttributeError) as e:
+            detail = getattr(e, "stderr", "") or e
+            logger.warning("native kernels unavailable (%s): using the torch path", detail)
+            return None
+        _lib = lib
+        return lib
+
+
+_KERNELS = {torch.float32: "paged_decode_attention_f32",
+            torch.bfloat16: "paged_decode_attention_bf16"}
+
+
+def supports(dtype: torch.dtype, device: torch.device) -> bool:
+    return device.type == "cpu" and dtype in _KERNELS and load() is not None
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           block_size: int, scale: float) -> torch.Tensor:
+    """q [B, H, D]; caches [Hkv, slots, D]; block_tables [B, nb] int64; context_lens [B] int64.
+    Returns [B, H, D]. Call only where `supports(q.dtype, q.device)`."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("native kernels are not available")
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    b, h, d = q.shape
+    kv_heads, slots, _ = k_cache.shape
+    failed = getattr(lib, _KERNELS[q.dtype])(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        context_lens.data_ptr(), out.data_ptr(), b, h, kv_heads, d, slots // block_size,
+        block_size, block_tables.shape[1], scale, torch.get_num_threads())
+    if failed:
+        raise MemoryError("paged decode attention could not allocate its score buffer")
+    return out
