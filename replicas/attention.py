@@ -53,6 +53,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     # index_copy_/index_select: much faster on CPU than advanced-index assignment and gather
     k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
     v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    if meta.native_decode and not meta.prefill_rows:
+        # every token is a decode row's, in row order: no selecting and scattering
+        return kernels.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
+                                              meta.decode_context_lens, meta.block_size, scale)
     out = torch.empty_like(q)
     if meta.native_decode:
         o = kernels.paged_decode_attention(q.index_select(0, meta.decode_token_index), k_cache,

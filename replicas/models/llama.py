@@ -7,13 +7,14 @@ head only on the positions the runner asks for."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
 from replicas.attention import AttentionMetadata, paged_attention
 from replicas.models.parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                                       VocabParallelEmbedding, tp_size)
-from replicas.models.rope import RotaryEmbedding
+from replicas.models.rope import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):
@@ -23,10 +24,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # normalised in float32, scaled in the model's dtype, as transformers does
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
 def _head_dim(config: PretrainedConfig) -> int:
@@ -34,7 +33,7 @@ def _head_dim(config: PretrainedConfig) -> int:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, rope: RotaryEmbedding) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         tp = tp_size()
         self.head_dim = _head_dim(config)
@@ -52,22 +51,24 @@ class Attention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.rope = rope
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        q_len, kv_len = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_len, kv_len, kv_len], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = qkv.view(-1, heads + 2 * kv_heads, dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k)
+            q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+            q = apply_rotary(self.q_norm(q), *rope)
+            k = apply_rotary(self.k_norm(k), *rope)
+        else:
+            # q and k rotated together: half the ops of rotating each
+            q, k = apply_rotary(qkv[:, :heads + kv_heads], *rope).split([heads, kv_heads], dim=1)
+            v = qkv[:, heads + kv_heads:]
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
+        return self.o_proj(o.view(-1, heads * dim))
 
 
 class MLP(nn.Module):
@@ -79,20 +80,21 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, rope: RotaryEmbedding) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
-        self.self_attn = Attention(config, rope)
+        self.self_attn = Attention(config)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, k_cache, v_cache, meta)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -106,9 +108,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.config = config
-        rope = RotaryEmbedding(config, _head_dim(config))
+        self.rope = RotaryEmbedding(config, _head_dim(config))
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, rope)
+        self.layers = nn.ModuleList(DecoderLayer(config)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
@@ -118,8 +120,9 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """kv_cache: [layers, 2, kv_heads, slots, head_dim]."""
         x = self.embed_tokens(input_ids)
+        rope = self.rope.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, kv_cache[i, 0], kv_cache[i, 1], meta)
+            x = layer(x, rope, kv_cache[i, 0], kv_cache[i, 1], meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -32,17 +32,18 @@ class RotaryEmbedding(nn.Module):
         self.cos = freqs.cos() * scaling
         self.sin = freqs.sin() * scaling
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor,
-                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, positions: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, 1, D/2] cos and sin of the step's positions, once per step for every layer."""
         if self.cos.device != positions.device:
             self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
-        # cos/sin are computed in float32 and applied in the model's dtype, as transformers does
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        # computed in float32 and applied in the model's dtype, as transformers does
+        return (self.cos[positions].unsqueeze(1).to(dtype),
+                self.sin[positions].unsqueeze(1).to(dtype))
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # HF's rotate_half convention: the two halves of the head dim form the pairs
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] -> rotated copy. HF's rotate_half convention: the two halves of the head dim
+    form the pairs."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
