@@ -10,18 +10,18 @@ from replicas.attention import AttentionMetadata, paged_attention
 
 pytestmark = pytest.mark.skipif(kernels.load() is None, reason="no C compiler for the kernels")
 
-KV_HEADS, BLOCKS, BLOCK, DIM = 2, 64, 16, 32
+KV_HEADS, BLOCKS, BLOCK = 2, 64, 16
 
 
-def _case(dtype: torch.dtype, heads: int, lens: list[int], seed: int = 0):
+def _case(dtype: torch.dtype, heads: int, lens: list[int], seed: int = 0, dim: int = 64):
     g = torch.Generator().manual_seed(seed)
-    k_cache = torch.randn(KV_HEADS, BLOCKS * BLOCK, DIM, generator=g).to(dtype)
-    v_cache = torch.randn(KV_HEADS, BLOCKS * BLOCK, DIM, generator=g).to(dtype)
+    k_cache = torch.randn(KV_HEADS, BLOCKS * BLOCK, dim, generator=g).to(dtype)
+    v_cache = torch.randn(KV_HEADS, BLOCKS * BLOCK, dim, generator=g).to(dtype)
     width = max(-(-n // BLOCK) for n in lens)
     # every row draws its blocks from a shuffled pool, as after many allocations and frees
     pool = torch.randperm(BLOCKS, generator=g)
     tables = torch.stack([pool[i * width:(i + 1) * width] for i in range(len(lens))])
-    q = torch.randn(len(lens), heads, DIM, generator=g).to(dtype)
+    q = torch.randn(len(lens), heads, dim, generator=g).to(dtype)
     return q, k_cache, v_cache, tables, torch.tensor(lens)
 
 
@@ -41,9 +41,11 @@ def _reference(q, k_cache, v_cache, tables, lens, scale):
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads", [2, 6])  # one query head per KV head, and groups of three
-def test_kernel_matches_reference(dtype: torch.dtype, atol: float, heads: int) -> None:
+# 64 and 128 take the vectorised block path; 48 the generic loops
+@pytest.mark.parametrize("dim", [48, 64, 128])
+def test_kernel_matches_reference(dtype: torch.dtype, atol: float, heads: int, dim: int) -> None:
     lens = [1, 15, 16, 17, 100, 3]
-    q, k_cache, v_cache, tables, lens_t = _case(dtype, heads, lens)
+    q, k_cache, v_cache, tables, lens_t = _case(dtype, heads, lens, dim=dim)
     out = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens_t, BLOCK, 0.3)
     assert out.dtype == dtype and out.shape == q.shape
     ref = _reference(q, k_cache, v_cache, tables, lens_t, 0.3)
@@ -67,14 +69,14 @@ def test_native_and_torch_decode_paths_agree() -> None:
     """paged_attention with the kernel and with the gather path (used on GPUs) give one result."""
     heads, lens = 6, [3, 40, 17]
     q, k_cache, v_cache, tables, lens_t = _case(torch.float32, heads, lens, seed=1)
-    new_k = torch.randn(len(lens), KV_HEADS, DIM)
-    new_v = torch.randn(len(lens), KV_HEADS, DIM)
+    new_k = torch.randn(len(lens), KV_HEADS, 64)
+    new_v = torch.randn(len(lens), KV_HEADS, 64)
     # the new token of each row sits at position len - 1
     slot_mapping = torch.tensor([int(tables[b, (n - 1) // BLOCK]) * BLOCK + (n - 1) % BLOCK
                                  for b, n in enumerate(lens)])
-    common = dict(slot_mapping=slot_mapping, prefill_rows=(), block_size=BLOCK,
-                  decode_token_index=torch.arange(len(lens)), decode_block_tables=tables,
-                  decode_context_lens=lens_t)
+    common = {"slot_mapping": slot_mapping, "prefill_rows": (), "block_size": BLOCK,
+              "decode_token_index": torch.arange(len(lens)), "decode_block_tables": tables,
+              "decode_context_lens": lens_t}
     native = AttentionMetadata(**common, native_decode=True)
     width = tables.shape[1]
     heads_offset = torch.arange(KV_HEADS).unsqueeze(1) * BLOCKS
