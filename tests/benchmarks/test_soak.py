@@ -1,0 +1,36 @@
+"""`bench soak`: the request mix it sends and the memory readings it takes."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import psutil
+
+from benchmarks.soak import _body, rss_mib
+
+
+def test_request_mix_covers_the_per_request_allocations() -> None:
+    rng = random.Random(0)
+    bodies = [_body("m", i, rng, 8) for i in range(10)]
+    assert {b.get("n") for b in bodies} == {None, 2}
+    assert sum(b.get("logprobs", False) for b in bodies) == 2
+    assert sum("stop" in b for b in bodies) == 2
+    assert all(b["max_tokens"] == 8 and b["temperature"] > 0 for b in bodies)
+    # distinct prompts: no two requests share a prefix-cache entry by accident
+    assert len({b["messages"][0]["content"] for b in bodies}) == 10
+
+
+def test_rss_of_live_and_vanished_processes() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        procs = {"self": psutil.Process(os.getpid()), "child": psutil.Process(child.pid)}
+        live = rss_mib(procs)
+        assert live["self"] > 10 and live["child"] > 1
+    finally:
+        child.kill()
+        child.wait()
+    gone = rss_mib(procs)
+    assert gone["self"] > 10 and gone["child"] != gone["child"]  # NaN: the process went away
