@@ -9,6 +9,7 @@ Servers run as subprocesses on free ports and are stopped after their turn."""
 from __future__ import annotations
 
 import argparse
+import shlex
 import asyncio
 import contextlib
 import json
@@ -44,6 +45,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-warmups", type=int, default=2)
     p.add_argument("--llama-server", type=Path, help="path of a llama-server binary")
     p.add_argument("--gguf", type=Path, help="the model as GGUF, for llama-server")
+    p.add_argument("--shardserve-args", default="",
+                   help="extra `shardserve serve` flags, e.g. '--stream-interval 4'")
     p.add_argument("--startup-timeout", type=float, default=300)
     p.add_argument("--result-json", type=Path)
     p.add_argument("--seed", type=int, default=0)
@@ -96,7 +99,8 @@ def _serve_cmd(peer: str, args: argparse.Namespace, path: Path, port: int) -> li
         return [sys.executable, "-m", "serve_app.cli", "serve", "--model", str(path),
                 "--port", str(port), "--dtype", args.dtype,
                 "--max-num-seqs", str(max(args.concurrency, 1)),
-                "--max-model-len", str(2 * (args.input_len + args.output_len) + 64)]
+                "--max-model-len", str(2 * (args.input_len + args.output_len) + 64),
+                *shlex.split(args.shardserve_args)]
     if peer == "transformers-serve":
         exe = Path(sys.executable).with_name("transformers")
         return [str(exe), "serve", str(path), "--continuous-batching", "--port", str(port),

@@ -54,6 +54,10 @@ class ReplicaConfig:
     logits_processors: tuple[str, ...] = ()  # the allowlist: qualified names
     structured_timeout_s: float = 10.0
     gil_switch_interval_s: float | None = 0.0005
+    # tokens a choice buffers before its next message leaves the replica (vLLM's
+    # --stream-interval): the first token and the last always go at once; more than 1 trades
+    # smoothness for fewer messages through the replica -> ingress -> proxy -> client path
+    stream_interval: int = 1
 
 
 def eos_token_ids(path: Path, hf_config) -> frozenset[int]:
@@ -179,15 +183,24 @@ class LLMServer:
             compiled = await self._compile(request.constraint)
         queue = self.engine.add(request, compiled)
         remaining = request.n
+        interval = self.config.stream_interval
+        pending: list[TokenBatch] = []
+        started: set[int] = set()  # choices whose first token has gone out
         try:
             while remaining:
-                items = [await queue.get()]
+                pending.append(await queue.get())
                 while not queue.empty():
-                    items.append(queue.get_nowait())
-                for item in items:
+                    pending.append(queue.get_nowait())
+                for item in pending:
                     if isinstance(item, BaseException):
                         raise item
-                batches = _coalesce(items)  # type: ignore[arg-type]
+                batches = _coalesce(pending)
+                if interval > 1 and not any(
+                        b.finish_reason is not None or b.choice_index not in started
+                        or len(b.token_ids) >= interval for b in batches):
+                    continue
+                pending = []
+                started.update(b.choice_index for b in batches)
                 remaining -= sum(b.finish_reason is not None for b in batches)
                 yield batches
         finally:

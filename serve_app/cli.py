@@ -34,6 +34,9 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--block-size", type=int)
     p.add_argument("--num-threads", type=int)
+    p.add_argument("--stream-interval", type=int,
+                   help="tokens per streamed message after the first (default 1: every token); "
+                        "larger values cut per-token serving overhead")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--priority-scheduling", action="store_true")
     p.add_argument("--api-key", help="or SHARDSERVE_API_KEY")
@@ -54,7 +57,8 @@ def config_from_args(args: argparse.Namespace):
                   "num_replicas": args.num_replicas, "dtype": args.dtype,
                   "kv_cache_gib": args.kv_cache_gib, "max_num_seqs": args.max_num_seqs,
                   "max_num_batched_tokens": args.max_num_batched_tokens,
-                  "block_size": args.block_size, "num_threads": args.num_threads}
+                  "block_size": args.block_size, "num_threads": args.num_threads,
+                  "stream_interval": args.stream_interval}
     model = {k: v for k, v in model_keys.items() if v is not None}
     if args.no_prefix_caching:
         model["enable_prefix_caching"] = False

@@ -4,6 +4,7 @@ blocks come back after finishing and after aborts, stop rules and seeds hold."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 
 import pytest
@@ -179,3 +180,22 @@ async def test_preemption_by_recompute_keeps_outputs_exact() -> None:
     assert [_tokens(t[0]) for t in together] == alone
     assert small.engine.scheduler.num_preemptions > 0
     assert small.engine.blocks.num_used_blocks == 0
+
+
+async def test_stream_interval_sends_first_token_alone_then_groups(server: LLMServer) -> None:
+    prompt = _prompts(1, seed=7)[0]
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    every = await _collect(server, GenerateRequest("si-1", prompt, params))
+    server.config = dataclasses.replace(server.config, stream_interval=4)
+    try:
+        grouped = await _collect(server, GenerateRequest("si-4", prompt, params, n=1))
+    finally:
+        server.config = dataclasses.replace(server.config, stream_interval=1)
+    sizes = [len(b.token_ids) for b in grouped[0]]
+    assert [len(b.token_ids) for b in every[0]] == [1] * 14
+    # the first token at once (TTFT), then groups of at least 4, the finish whenever it comes
+    assert sizes[0] == 1 and all(s >= 4 for s in sizes[1:-1]) and sum(sizes) == 14
+    assert len(sizes) <= 5
+    assert _tokens(grouped[0]) == _tokens(every[0])
+    assert grouped[0][-1].finish_reason == "length"
+    assert grouped[0][0].num_prompt_tokens == len(prompt)
