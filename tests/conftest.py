@@ -36,9 +36,11 @@ def running_app(config_args: dict[str, Any], num_cpus: int = 4) -> Iterator[str]
 
     from serve_app.app import build_app
     from serve_app.config import AppConfig
+    from serve_app.ray_env import apply_serve_env
 
     port = free_port()
     config = AppConfig.model_validate({"port": port, **config_args})
+    apply_serve_env()  # the settings `shardserve serve` runs with
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -52,8 +54,8 @@ def running_app(config_args: dict[str, Any], num_cpus: int = 4) -> Iterator[str]
             time.sleep(0.5)
         yield f"{base}/v1"
     finally:
-        with contextlib.suppress(Exception):
-            serve.shutdown()
+        # no serve.shutdown(): with Serve's gRPC data plane it waits ~30 s for graceful drains;
+        # ray.shutdown() ends every actor of this module's Ray instance anyway
         ray.shutdown()
 
 

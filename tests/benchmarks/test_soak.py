@@ -28,7 +28,7 @@ def test_rss_of_live_and_vanished_processes() -> None:
     try:
         procs = {"self": psutil.Process(os.getpid()), "child": psutil.Process(child.pid)}
         live = rss_mib(procs)
-        assert live["self"] > 10 and live["child"] > 1
+        assert live["self"] > 10 and live["child"] > 0
     finally:
         child.kill()
         child.wait()
