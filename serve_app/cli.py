@@ -87,7 +87,6 @@ def serve_main(args: argparse.Namespace) -> int:
     from ray import serve
 
     from serve_app.app import build_app
-    from serve_app.ray_env import apply_serve_env
 
     config = config_from_args(args)
     if args.detach and not args.ray_address:
@@ -98,7 +97,6 @@ def serve_main(args: argparse.Namespace) -> int:
     if args.ray_address:
         ray.init(address=args.ray_address)
     else:
-        apply_serve_env()
         ray.init(num_cpus=args.num_cpus or max(4, os.cpu_count() or 1),
                  include_dashboard=False)
     serve.start(http_options={"host": config.host, "port": config.port})

@@ -36,11 +36,9 @@ def running_app(config_args: dict[str, Any], num_cpus: int = 4) -> Iterator[str]
 
     from serve_app.app import build_app
     from serve_app.config import AppConfig
-    from serve_app.ray_env import apply_serve_env
 
     port = free_port()
     config = AppConfig.model_validate({"port": port, **config_args})
-    apply_serve_env()  # the settings `shardserve serve` runs with
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -54,8 +52,8 @@ def running_app(config_args: dict[str, Any], num_cpus: int = 4) -> Iterator[str]
             time.sleep(0.5)
         yield f"{base}/v1"
     finally:
-        # no serve.shutdown(): with Serve's gRPC data plane it waits ~30 s for graceful drains;
-        # ray.shutdown() ends every actor of this module's Ray instance anyway
+        # ray.shutdown() ends every actor of this module's Ray instance (a graceful
+        # serve.shutdown() first only adds seconds of draining per module)
         ray.shutdown()
 
 

@@ -17,9 +17,7 @@ def cluster():
 
     from serve_app.app import build_app
     from serve_app.config import AppConfig
-    from serve_app.ray_env import apply_serve_env
 
-    apply_serve_env()
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     gpu_node = c.add_node(num_cpus=2, resources={"fake_gpu": 2})
     ray.init(address=c.address, log_to_driver=False)
@@ -33,7 +31,7 @@ def cluster():
                   name="shardserve", route_prefix="/")
         yield f"http://127.0.0.1:{port}/v1", gpu_node.node_id
     finally:
-        ray.shutdown()  # and the cluster with it: no slow graceful serve.shutdown() needed
+        ray.shutdown()  # and the cluster with it: no graceful serve.shutdown() needed
         c.shutdown()
 
 
