@@ -47,6 +47,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gguf", type=Path, help="the model as GGUF, for llama-server")
     p.add_argument("--shardserve-args", default="",
                    help="extra `shardserve serve` flags, e.g. '--stream-interval 4'")
+    p.add_argument("--shardserve-variant", action="append", default=[], metavar="NAME=FLAGS",
+                   help="also run shardserve with these extra flags, as peer shardserve[NAME] "
+                        "(repeatable), e.g. si4='--stream-interval 4'")
     p.add_argument("--startup-timeout", type=float, default=300)
     p.add_argument("--result-json", type=Path)
     p.add_argument("--seed", type=int, default=0)
@@ -94,13 +97,25 @@ def _served_model(base: str, default: str) -> str:
         return default
 
 
+def _variants(args: argparse.Namespace) -> dict[str, str]:
+    """Peer name -> extra flags, for each --shardserve-variant."""
+    out = {}
+    for spec in args.shardserve_variant:
+        name, sep, flags = spec.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--shardserve-variant wants NAME=FLAGS, got {spec!r}")
+        out[f"shardserve[{name}]"] = flags
+    return out
+
+
 def _serve_cmd(peer: str, args: argparse.Namespace, path: Path, port: int) -> list[str]:
-    if peer == "shardserve":
+    if peer == "shardserve" or peer.startswith("shardserve["):
+        extra = args.shardserve_args if peer == "shardserve" else _variants(args)[peer]
         return [sys.executable, "-m", "serve_app.cli", "serve", "--model", str(path),
                 "--port", str(port), "--dtype", args.dtype,
                 "--max-num-seqs", str(max(args.concurrency, 1)),
                 "--max-model-len", str(2 * (args.input_len + args.output_len) + 64),
-                *shlex.split(args.shardserve_args)]
+                *shlex.split(extra)]
     if peer == "transformers-serve":
         exe = Path(sys.executable).with_name("transformers")
         return [str(exe), "serve", str(path), "--continuous-batching", "--port", str(port),
@@ -160,13 +175,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     requests = random_requests(args.num_prompts + args.num_warmups, args.input_len,
                                args.output_len, tokenizer=tokenizer, seed=args.seed)
     results: dict[str, Any] = {}
-    for peer in [p.strip() for p in args.peers.split(",") if p.strip()]:
+    peers = [p.strip() for p in args.peers.split(",") if p.strip()] + list(_variants(args))
+    for peer in peers:
         print(f"--- {peer}", flush=True)
         if peer == "transformers-generate":
             results[peer] = static_generate(path, requests[args.num_warmups:], args)
         else:
             port = _free_port()
-            log = Path(f"/tmp/bench-compare-{peer}.log")
+            log = Path(f"/tmp/bench-compare-{peer.replace('[', '-').rstrip(']')}.log")
             with _server(_serve_cmd(peer, args, path, port), port, args.startup_timeout,
                          log) as base:
                 model = _served_model(base, str(path))
@@ -180,16 +196,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def table(results: dict[str, Any]) -> str:
-    ours = results.get("shardserve", {}).get("output_throughput")
+    """One row per peer; a ratio column for shardserve and for each shardserve variant."""
+    ours = {name: r.get("output_throughput") for name, r in results.items()
+            if name.startswith("shardserve")}
     lines = [f"{'peer':<24}{'out tok/s':>12}{'TTFT p50 ms':>14}{'TPOT p50 ms':>14}"
-             f"{'shardserve / peer':>20}"]
+             + "".join(f"{name + ' / peer':>28}" for name in ours)]
     for peer, r in results.items():
         tput = r.get("output_throughput") or 0.0
-        ratio = f"{ours / tput:.2f}x" if ours and tput else "-"
         ttft, tpot = r.get("median_ttft_ms"), r.get("median_tpot_ms")
+        ratios = "".join(f"{(f'{mine / tput:.2f}x' if mine and tput else '-'):>28}"
+                         for mine in ours.values())
         lines.append(f"{peer:<24}{tput:>12.1f}"
                      f"{(f'{ttft:.1f}' if ttft is not None else '-'):>14}"
-                     f"{(f'{tpot:.1f}' if tpot is not None else '-'):>14}{ratio:>20}")
+                     f"{(f'{tpot:.1f}' if tpot is not None else '-'):>14}{ratios}")
     return "\n".join(lines)
 
 
