@@ -2,7 +2,7 @@
 
 torch has no CPU kernel that attends over a paged cache in place: the torch path gathers every
 row's blocks into a workspace and then runs two batched matmuls over it, moving each cached byte
-three times. `paged_decode_attention.c` reads each key and value once.
+three times. `paged_attention.c` reads each key and value once.
 
 The library is compiled with the machine's C compiler (`$CC`, else `cc`) for the CPU it runs on
 and cached under `$SHARDSERVE_CACHE/kernels/<hash of source, flags and CPU>`; the build is atomic,

@@ -18,7 +18,9 @@
 
 enum { F32 = 0, BF16 = 1 };
 
-static inline __attribute__((always_inline)) void load_row(const void *src, int64_t offset, int dtype, float *dst, int64_t n) {
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE void load_row(const void *src, int64_t offset, int dtype, float *dst, int64_t n) {
     if (dtype == BF16) {
         const uint16_t *s = (const uint16_t *)src + offset;
         uint32_t *d = (uint32_t *)dst;
@@ -29,13 +31,14 @@ static inline __attribute__((always_inline)) void load_row(const void *src, int6
     }
 }
 
-static inline __attribute__((always_inline)) void store_row(void *dst, int64_t offset, int dtype, const float *src, int64_t n) {
+INLINE void store_row(void *dst, int64_t offset, int dtype, const float *src, int64_t n) {
     if (dtype == BF16) {
         uint16_t *d = (uint16_t *)dst + offset;
         const uint32_t *s = (const uint32_t *)src;
         /* round to nearest even; attention outputs are finite */
 #pragma omp simd
-        for (int64_t i = 0; i < n; i++) d[i] = (uint16_t)((s[i] + 0x7fffu + ((s[i] >> 16) & 1u)) >> 16);
+        for (int64_t i = 0; i < n; i++)
+            d[i] = (uint16_t)((s[i] + 0x7fffu + ((s[i] >> 16) & 1u)) >> 16);
     } else {
         memcpy((float *)dst + offset, src, sizeof(float) * (size_t)n);
     }
@@ -44,7 +47,7 @@ static inline __attribute__((always_inline)) void store_row(void *dst, int64_t o
 #ifdef __AVX512F__
 /* x[t] holds partial sums of key t in its 16 lanes; returns the 16 totals, key t in lane t.
    A transpose-and-add tree: 45 shuffles and adds instead of 16 separate horizontal sums. */
-static inline __attribute__((always_inline)) __m512 sum_lanes16(const __m512 *x) {
+INLINE __m512 sum_lanes16(const __m512 *x) {
     __m512 t[8], u[4];
     for (int i = 0; i < 8; i++)
         t[i] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]),
@@ -65,7 +68,7 @@ static inline __attribute__((always_inline)) __m512 sum_lanes16(const __m512 *x)
 
 /* Scores of the first n keys of one 16-key block for every query head of the group:
    scores[g * len + t] = q_g . k_t. kf: room for 16 x D floats. */
-static inline __attribute__((always_inline)) void block_scores16(
+INLINE void block_scores16(
     const float *qf, int64_t group, int64_t head_dim, const void *k_cache, int64_t base,
     int dtype, int64_t n, float *scores, int64_t len, float *kf) {
     const int64_t chunks = head_dim / 16;
@@ -100,7 +103,7 @@ static inline __attribute__((always_inline)) void block_scores16(
 /* acc[g] += sum over the first n keys t of the block: p_g[t] * v_t, with the head dim in
    registers (chunks = head_dim / 16, a constant at the call sites so the loops unroll): one
    independent accumulator per chunk instead of a load-add-store chain through memory per key. */
-static inline __attribute__((always_inline)) void block_values16(
+INLINE void block_values16(
     const float *scores, int64_t len, int64_t group, const int64_t chunks, const void *v_cache,
     int64_t base, int dtype, int64_t n, float *acc, float *vf) {
     const int64_t head_dim = 16 * chunks;
@@ -129,7 +132,7 @@ static inline __attribute__((always_inline)) void block_values16(
 #endif
 
 /* One (row, kv head) task. Returns nonzero if its buffer could not be allocated. */
-static inline __attribute__((always_inline)) int attend(
+INLINE int attend(
     const void *q, const void *k_cache, const void *v_cache, const int64_t *table, int64_t len,
     void *out, int64_t b, int64_t h, int64_t heads, int64_t group, int64_t head_dim,
     int64_t slots, int64_t block_size, float scale, int dtype) {
