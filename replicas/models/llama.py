@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from replicas import kernels
 from replicas.attention import AttentionMetadata, paged_attention
 from replicas.models.parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                                       VocabParallelEmbedding, tp_size)
@@ -24,8 +25,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if kernels.supports(x.dtype, x.device):
+            return kernels.add_rms_norm(x, None, self.weight, self.eps)
         # normalised in float32, scaled in the model's dtype, as transformers does
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor,
+                    residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm of x + residual, x + residual); the sum may be written into `residual`."""
+        if kernels.supports(x.dtype, x.device):
+            return kernels.add_rms_norm(x, residual, self.weight, self.eps), residual
+        residual = x + residual
+        return self(residual), residual
 
 
 def _head_dim(config: PretrainedConfig) -> int:
@@ -91,11 +102,19 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
+                v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous sublayer's output (the embeddings at layer 0); residual: the running
+        sum of the residual stream so far (None at layer 0). The add and the norm run fused."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, rope, k_cache, v_cache, meta)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -121,9 +140,10 @@ class LlamaForCausalLM(nn.Module):
         """kv_cache: [layers, 2, kv_heads, slots, head_dim]."""
         x = self.embed_tokens(input_ids)
         rope = self.rope.cos_sin(positions, x.dtype)
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, kv_cache[i, 0], kv_cache[i, 1], meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, kv_cache[i, 0], kv_cache[i, 1], meta)
+        return self.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

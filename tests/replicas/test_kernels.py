@@ -89,3 +89,23 @@ def test_native_and_torch_decode_paths_agree() -> None:
     # and the new keys were written and attended: the result differs from the old cache's
     stale = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens_t, BLOCK, 0.2)
     assert not torch.allclose(out_native, stale)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 0.0)])
+@pytest.mark.parametrize("rows", [1, 40])  # one decode row, and enough rows to run in parallel
+def test_add_rms_norm_rounds_as_transformers(dtype: torch.dtype, atol: float, rows: int) -> None:
+    g = torch.Generator().manual_seed(2)
+    x, residual = (torch.randn(rows, 96, generator=g).to(dtype) for _ in range(2))
+    weight = torch.randn(96, generator=g).to(dtype)
+
+    def hf_norm(h: torch.Tensor) -> torch.Tensor:  # transformers' LlamaRMSNorm
+        f = h.float()
+        return weight * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+
+    total = x + residual
+    fused = residual.clone()
+    out = kernels.add_rms_norm(x, fused, weight, 1e-6)
+    assert torch.equal(fused, total)  # the sum is written into the residual, in place
+    torch.testing.assert_close(out, hf_norm(total), atol=atol, rtol=0)
+    plain = kernels.add_rms_norm(x, None, weight, 1e-6)
+    torch.testing.assert_close(plain, hf_norm(x), atol=atol, rtol=0)
