@@ -13,8 +13,13 @@ from transformers import PretrainedConfig
 
 from replicas import kernels
 from replicas.attention import AttentionMetadata, paged_attention
-from replicas.models.parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
-                                      VocabParallelEmbedding, tp_size)
+from replicas.models.parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    tp_size,
+)
 from replicas.models.rope import RotaryEmbedding, apply_rotary
 
 
