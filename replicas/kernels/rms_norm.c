@@ -3,6 +3,9 @@
    with the normalisation in float32, rounded to the model dtype, then scaled by the weight and
    rounded again. Replaces ~8 small torch ops per norm (tens of microseconds each at decode sizes).
 
+   Rows are split across threads only for prefill-sized inputs: at decode sizes a parallel region
+   costs more than the work, and each one is a barrier where a preempted thread stalls the other.
+
    Built by replicas/kernels/__init__.py together with paged_attention.c. */
 
 #include <math.h>
@@ -31,7 +34,7 @@ static inline void bf16_store(uint16_t *p, int64_t i, float f) {
    sum_out: [rows, dim] (may alias residual); weight: [dim]. */
 int add_rms_norm_f32(const float *x, float *residual, const float *weight, float eps, float *out,
                      int64_t rows, int64_t dim, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (rows > 8)
+#pragma omp parallel for num_threads(num_threads) if (rows >= 64)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * dim;
         float *res = residual ? residual + r * dim : 0;
@@ -50,7 +53,7 @@ int add_rms_norm_f32(const float *x, float *residual, const float *weight, float
 
 int add_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *weight, float eps,
                       uint16_t *out, int64_t rows, int64_t dim, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (rows > 8)
+#pragma omp parallel for num_threads(num_threads) if (rows >= 64)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *xr = x + r * dim;
         uint16_t *res = residual ? residual + r * dim : 0;
