@@ -30,43 +30,52 @@ static inline void bf16_store(uint16_t *p, int64_t i, float f) {
     p[i] = (uint16_t)(v.u >> 16);
 }
 
-/* x, out: [rows, dim]; residual: [rows, dim] or NULL (then no add and no sum written);
-   sum_out: [rows, dim] (may alias residual); weight: [dim]. */
-int add_rms_norm_f32(const float *x, float *residual, const float *weight, float eps, float *out,
-                     int64_t rows, int64_t dim, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (rows >= 64)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * dim;
-        float *res = residual ? residual + r * dim : 0;
-        float ss = 0.0f;
-        for (int64_t d = 0; d < dim; d++) {
-            float s = res ? xr[d] + res[d] : xr[d];
-            if (res) res[d] = s;
-            ss += s * s;
-        }
-        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
-        const float *src = res ? res : xr;
-        for (int64_t d = 0; d < dim; d++) out[r * dim + d] = weight[d] * (src[d] * inv);
-    }
-    return 0;
+enum { F32 = 0, BF16 = 1 };
+
+static inline __attribute__((always_inline)) float load(const void *p, int64_t i, int dtype) {
+    return dtype == BF16 ? bf16_load((const uint16_t *)p, i) : ((const float *)p)[i];
 }
 
-int add_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *weight, float eps,
-                      uint16_t *out, int64_t rows, int64_t dim, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (rows >= 64)
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *xr = x + r * dim;
-        uint16_t *res = residual ? residual + r * dim : 0;
-        float ss = 0.0f;
-        for (int64_t d = 0; d < dim; d++) {
-            float s = res ? bf16_round(bf16_load(xr, d) + bf16_load(res, d)) : bf16_load(xr, d);
-            if (res) bf16_store(res, d, s);
-            ss += s * s;
-        }
-        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
-        const uint16_t *src = res ? res : xr;
-        for (int64_t d = 0; d < dim; d++)
-            bf16_store(out, r * dim + d, bf16_load(weight, d) * bf16_round(bf16_load(src, d) * inv));
-    }
-    return 0;
+static inline __attribute__((always_inline)) void store(void *p, int64_t i, float f, int dtype) {
+    if (dtype == BF16)
+        bf16_store((uint16_t *)p, i, f);
+    else
+        ((float *)p)[i] = f;
 }
+
+/* One row: rnd() is the rounding to the model dtype that torch applies after each op. */
+static inline __attribute__((always_inline)) void norm_row(
+    const void *x, void *residual, const void *weight, float eps, void *out, int64_t r,
+    int64_t dim, int dtype) {
+#define rnd(f) (dtype == BF16 ? bf16_round(f) : (f))
+    const int64_t base = r * dim;
+    float ss = 0.0f;
+    for (int64_t d = 0; d < dim; d++) {
+        float s = load(x, base + d, dtype);
+        if (residual) {
+            s = rnd(s + load(residual, base + d, dtype));
+            store(residual, base + d, s, dtype);
+        }
+        ss += s * s;
+    }
+    const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+    const void *src = residual ? residual : x;
+    for (int64_t d = 0; d < dim; d++)
+        store(out, base + d, load(weight, d, dtype) * rnd(load(src, base + d, dtype) * inv),
+              dtype);
+#undef rnd
+}
+
+/* x, out: [rows, dim]; residual: [rows, dim] or NULL (no add); weight: [dim]. One function per
+   dtype, each with its own parallel region, so the dtype is a constant in the loop body. */
+#define EXPORT(NAME, DTYPE)                                                                     \
+    int NAME(const void *x, void *residual, const void *weight, float eps, void *out,           \
+             int64_t rows, int64_t dim, int num_threads) {                                      \
+        _Pragma("omp parallel for num_threads(num_threads) if (rows >= 64)")                    \
+        for (int64_t r = 0; r < rows; r++)                                                      \
+            norm_row(x, residual, weight, eps, out, r, dim, DTYPE);                             \
+        return 0;                                                                               \
+    }
+
+EXPORT(add_rms_norm_f32, F32)
+EXPORT(add_rms_norm_bf16, BF16)
