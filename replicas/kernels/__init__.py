@@ -29,6 +29,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention.c", "rms_norm.c"))
+_HEADERS = (Path(__file__).with_name("bf16.h"),)
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -60,7 +61,7 @@ def _torch_openmp() -> Path | None:
 def _build(compiler: str) -> Path:
     gomp = _torch_openmp()
     link = [f"-L{gomp.parent}", f"-Wl,-rpath,{gomp.parent}", "-l:libgomp.so.1"] if gomp else []
-    sources = [path.read_bytes() for path in _SOURCES]
+    sources = [path.read_bytes() for path in _SOURCES + _HEADERS]
     key = hashlib.sha256(b"\0".join([*sources, " ".join(_FLAGS + tuple(link)).encode(),
                                      _cpu_signature().encode(), compiler.encode()]))
     out = _cache_dir() / key.hexdigest()[:16] / "libshardserve_kernels.so"
@@ -91,25 +92,31 @@ def _declare(lib: ctypes.CDLL) -> None:
 def load() -> ctypes.CDLL | None:
     """The kernel library, built if needed; None where it cannot be (the torch path is used)."""
     global _lib, _tried
+    if _tried:  # the hot path: every norm and attention call asks
+        return _lib
     with _lock:
-        if _tried:
-            return _lib
-        _tried = True
-        if os.environ.get("SHARDSERVE_NATIVE_KERNELS", "1") == "0":
-            return None
-        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-        if compiler is None:
-            logger.warning("no C compiler: decode attention uses the slower torch path")
-            return None
-        try:
-            lib = ctypes.CDLL(str(_build(compiler)))
-            _declare(lib)
-        except (OSError, subprocess.SubprocessError, AttributeError) as e:
-            detail = getattr(e, "stderr", "") or e
-            logger.warning("native kernels unavailable (%s): using the torch path", detail)
-            return None
-        _lib = lib
-        return lib
+        if not _tried:
+            # _tried is set last: a thread passing the unlocked check sees the final _lib
+            _lib = _open()
+            _tried = True
+        return _lib
+
+
+def _open() -> ctypes.CDLL | None:
+    if os.environ.get("SHARDSERVE_NATIVE_KERNELS", "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("no C compiler: the torch paths are used (slower decode attention)")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+        _declare(lib)
+    except (OSError, subprocess.SubprocessError, AttributeError) as e:
+        detail = getattr(e, "stderr", "") or e
+        logger.warning("native kernels unavailable (%s): using the torch path", detail)
+        return None
+    return lib
 
 
 _KERNELS = {torch.float32: "paged_decode_attention_f32",

@@ -12,6 +12,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "bf16.h"
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -25,7 +27,7 @@ INLINE void load_row(const void *src, int64_t offset, int dtype, float *dst, int
         const uint16_t *s = (const uint16_t *)src + offset;
         uint32_t *d = (uint32_t *)dst;
 #pragma omp simd
-        for (int64_t i = 0; i < n; i++) d[i] = (uint32_t)s[i] << 16;
+        for (int64_t i = 0; i < n; i++) d[i] = bf16_widen(s[i]);
     } else {
         memcpy(dst, (const float *)src + offset, sizeof(float) * (size_t)n);
     }
@@ -35,10 +37,8 @@ INLINE void store_row(void *dst, int64_t offset, int dtype, const float *src, in
     if (dtype == BF16) {
         uint16_t *d = (uint16_t *)dst + offset;
         const uint32_t *s = (const uint32_t *)src;
-        /* round to nearest even; attention outputs are finite */
 #pragma omp simd
-        for (int64_t i = 0; i < n; i++)
-            d[i] = (uint16_t)((s[i] + 0x7fffu + ((s[i] >> 16) & 1u)) >> 16);
+        for (int64_t i = 0; i < n; i++) d[i] = bf16_narrow(s[i]);
     } else {
         memcpy((float *)dst + offset, src, sizeof(float) * (size_t)n);
     }

@@ -11,23 +11,25 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "bf16.h"
+
 static inline float bf16_load(const uint16_t *p, int64_t i) {
     union { uint32_t u; float f; } v;
-    v.u = (uint32_t)p[i] << 16;
+    v.u = bf16_widen(p[i]);
     return v.f;
 }
 
 static inline float bf16_round(float f) {
     union { uint32_t u; float f; } v;
     v.f = f;
-    v.u = (v.u + 0x7fffu + ((v.u >> 16) & 1u)) & 0xffff0000u;
+    v.u = bf16_widen(bf16_narrow(v.u));
     return v.f;
 }
 
 static inline void bf16_store(uint16_t *p, int64_t i, float f) {
     union { uint32_t u; float f; } v;
-    v.f = bf16_round(f);
-    p[i] = (uint16_t)(v.u >> 16);
+    v.f = f;
+    p[i] = bf16_narrow(v.u);
 }
 
 enum { F32 = 0, BF16 = 1 };
