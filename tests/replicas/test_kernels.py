@@ -52,8 +52,10 @@ def test_kernel_matches_reference(dtype: torch.dtype, atol: float, heads: int, d
     torch.testing.assert_close(out.double(), ref, atol=atol, rtol=0)
 
 
-def test_kernel_ignores_slots_past_the_context() -> None:
-    q, k_cache, v_cache, tables, lens = _case(torch.float32, 2, [5, 20])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens", [[5, 20], [6, 33]])  # odd and even tails (bf16 pairs keys)
+def test_kernel_ignores_slots_past_the_context(dtype: torch.dtype, lens: list[int]) -> None:
+    q, k_cache, v_cache, tables, lens = _case(dtype, 6, lens)
     before = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, BLOCK, 0.3)
     # poison every slot past each row's context within its blocks
     for b, n in enumerate(lens.tolist()):
