@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 from typing import Literal
 
 HttpFront = Literal["haproxy", "serve-proxy"]
@@ -40,12 +41,23 @@ def haproxy_available() -> bool:
         return shutil.which("haproxy") is not None
 
 
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
 def front_env(front: HttpFront) -> dict[str, str]:
-    """The environment that selects `front` in the processes of a Ray started after it is set."""
+    """The environment that selects `front` in the processes of a Ray started after it is set.
+    Settings already in the environment win."""
     if front == "haproxy":
+        tunables = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": _DRAIN_S,
+                    # HAProxy's stats page and Prometheus endpoint default to fixed ports (8404,
+                    # 9101) on all interfaces: a second server on the machine could not start
+                    "RAY_SERVE_HAPROXY_STATS_PORT": _free_port(),
+                    "RAY_SERVE_HAPROXY_METRICS_PORT": _free_port()}
         return {"RAY_SERVE_ENABLE_HA_PROXY": "1",
-                "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S":
-                    os.environ.get("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", _DRAIN_S)}
+                **{k: os.environ.get(k, v) for k, v in tunables.items()}}
     return {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
 
 
