@@ -48,11 +48,14 @@ class AttentionMetadata:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [Hkv, slots, D]. Returns [T, H, D]."""
-    # index_copy_/index_select: much faster on CPU than advanced-index assignment and gather
-    k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-    v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    stored: bool = False) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [Hkv, slots, D]. Returns [T, H, D].
+    stored: k and v are in the cache already (kernels.rope_store put them there)."""
+    if not stored:
+        # index_copy_/index_select: much faster on CPU than advanced-index assignment and gather
+        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
     if meta.native_decode and not meta.prefill_rows:
         # every token is a decode row's, in row order: no selecting and scattering
         return kernels.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,

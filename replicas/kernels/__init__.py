@@ -2,9 +2,11 @@
 
 torch has no CPU kernel that attends over a paged cache in place: the torch path gathers every
 row's blocks into a workspace and then runs two batched matmuls over it, moving each cached byte
-three times. `paged_attention.c` reads each key and value once. `rms_norm.c` fuses the residual
-add and RMSNorm that torch runs as ~8 small ops, each costing tens of microseconds at decode
-sizes.
+three times. `paged_attention.c` reads each key and value once. The others fuse what torch runs
+as several small ops, each costing microseconds of dispatch at decode sizes: `rms_norm.c` the
+residual add and RMSNorm, `rotary.c` RoPE and the store of the step's keys and values into the
+cache, `activation.c` the gated MLP's silu(gate) * up. Each rounds as torch does in the model
+dtype (`dtype.h`).
 
 The library is compiled with the machine's C compiler (`$CC`, else `cc`) for the CPU it runs on
 and cached under `$SHARDSERVE_CACHE/kernels/<hash of source, flags and CPU>`; the build is atomic,
@@ -28,8 +30,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention.c", "rms_norm.c"))
-_HEADERS = (Path(__file__).with_name("bf16.h"),)
+_SOURCES = tuple(Path(__file__).with_name(name) for name in
+                 ("paged_attention.c", "rms_norm.c", "rotary.c", "activation.c"))
+_HEADERS = (Path(__file__).with_name("dtype.h"),)
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -87,6 +90,14 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
         fn.argtypes = [ptr, ptr, ptr, ctypes.c_float, ptr, i64, i64, ctypes.c_int]
+    for name in ("rope_store_f32", "rope_store_bf16"):
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_int]
+    for name in ("silu_mul_f32", "silu_mul_bf16"):
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
 
 
 def load() -> ctypes.CDLL | None:
@@ -167,4 +178,41 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     getattr(lib, _NORMS[x.dtype])(
         x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), eps,
         out.data_ptr(), x.numel() // dim, dim, torch.get_num_threads())
+    return out
+
+
+_SUFFIX = {torch.float32: "_f32", torch.bfloat16: "_bf16"}
+
+
+def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               heads: int, kv_heads: int) -> None:
+    """Rotates the q and k heads of qkv [T, heads + 2 * kv_heads, D] in place (cos, sin:
+    [T, 1, D/2]) and stores the rotated keys and the values at slot_mapping [T] int64 of the
+    caches [kv_heads, slots, D]. Call only where `supports(qkv.dtype, qkv.device)`."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("native kernels are not available")
+    if not (qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
+            and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()):
+        raise ValueError("rope_store wants contiguous qkv, cos, sin and int64 slots")
+    tokens, _, dim = qkv.shape
+    getattr(lib, "rope_store" + _SUFFIX[qkv.dtype])(
+        qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(),
+        k_cache.data_ptr(), v_cache.data_ptr(), tokens, heads, kv_heads, dim, k_cache.shape[1],
+        torch.get_num_threads())
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of x [..., 2 * inter] (gate first), rounded as torch rounds.
+    Call only where `supports(x.dtype, x.device)`."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("native kernels are not available")
+    x = x.contiguous()
+    inter = x.shape[-1] // 2
+    out = x.new_empty((*x.shape[:-1], inter))
+    getattr(lib, "silu_mul" + _SUFFIX[x.dtype])(x.data_ptr(), out.data_ptr(),
+                                                x.numel() // (2 * inter), inter,
+                                                torch.get_num_threads())
     return out

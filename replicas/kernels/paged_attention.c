@@ -13,14 +13,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "bf16.h"
+#include "dtype.h"
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
 
-enum { F32 = 0, BF16 = 1 };
-
-#define INLINE static inline __attribute__((always_inline))
+#define INLINE KERNEL_INLINE
 
 INLINE void load_row(const void *src, int64_t offset, int dtype, float *dst, int64_t n) {
     if (dtype == BF16) {

@@ -6,56 +6,23 @@
    Rows are split across threads only for prefill-sized inputs: at decode sizes a parallel region
    costs more than the work, and each one is a barrier where a preempted thread stalls the other.
 
-   Built by replicas/kernels/__init__.py together with paged_attention.c. */
+   Built by replicas/kernels/__init__.py together with the other kernels. */
 
 #include <math.h>
 #include <stdint.h>
 
-#include "bf16.h"
+#include "dtype.h"
 
-static inline float bf16_load(const uint16_t *p, int64_t i) {
-    union { uint32_t u; float f; } v;
-    v.u = bf16_widen(p[i]);
-    return v.f;
-}
-
-static inline float bf16_round(float f) {
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    v.u = bf16_widen(bf16_narrow(v.u));
-    return v.f;
-}
-
-static inline void bf16_store(uint16_t *p, int64_t i, float f) {
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    p[i] = bf16_narrow(v.u);
-}
-
-enum { F32 = 0, BF16 = 1 };
-
-static inline __attribute__((always_inline)) float load(const void *p, int64_t i, int dtype) {
-    return dtype == BF16 ? bf16_load((const uint16_t *)p, i) : ((const float *)p)[i];
-}
-
-static inline __attribute__((always_inline)) void store(void *p, int64_t i, float f, int dtype) {
-    if (dtype == BF16)
-        bf16_store((uint16_t *)p, i, f);
-    else
-        ((float *)p)[i] = f;
-}
-
-/* One row: rnd() is the rounding to the model dtype that torch applies after each op. */
-static inline __attribute__((always_inline)) void norm_row(
+/* One row, rounded after each op as torch rounds. */
+KERNEL_INLINE void norm_row(
     const void *x, void *residual, const void *weight, float eps, void *out, int64_t r,
     int64_t dim, int dtype) {
-#define rnd(f) (dtype == BF16 ? bf16_round(f) : (f))
     const int64_t base = r * dim;
     float ss = 0.0f;
     for (int64_t d = 0; d < dim; d++) {
         float s = load(x, base + d, dtype);
         if (residual) {
-            s = rnd(s + load(residual, base + d, dtype));
+            s = rnd(s + load(residual, base + d, dtype), dtype);
             store(residual, base + d, s, dtype);
         }
         ss += s * s;
@@ -63,9 +30,8 @@ static inline __attribute__((always_inline)) void norm_row(
     const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
     const void *src = residual ? residual : x;
     for (int64_t d = 0; d < dim; d++)
-        store(out, base + d, load(weight, d, dtype) * rnd(load(src, base + d, dtype) * inv),
+        store(out, base + d, load(weight, d, dtype) * rnd(load(src, base + d, dtype) * inv, dtype),
               dtype);
-#undef rnd
 }
 
 /* x, out: [rows, dim]; residual: [rows, dim] or NULL (no add); weight: [dim]. One function per

@@ -79,6 +79,12 @@ class Attention(nn.Module):
             q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
             q = apply_rotary(self.q_norm(q), *rope)
             k = apply_rotary(self.k_norm(k), *rope)
+        elif kernels.supports(qkv.dtype, qkv.device):
+            # rotated in place and the keys and values stored into the cache in one native call
+            kernels.rope_store(qkv, *rope, meta.slot_mapping, k_cache, v_cache, heads, kv_heads)
+            q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+            o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, stored=True)
+            return self.o_proj(o.view(-1, heads * dim))
         else:
             # q and k rotated together: half the ops of rotating each
             q, k = apply_rotary(qkv[:, :heads + kv_heads], *rope).split([heads, kv_heads], dim=1)
@@ -95,7 +101,10 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if kernels.supports(gate_up.dtype, gate_up.device):
+            return self.down_proj(kernels.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -111,3 +111,51 @@ def test_add_rms_norm_rounds_as_transformers(dtype: torch.dtype, atol: float, ro
     torch.testing.assert_close(out, hf_norm(total), atol=atol, rtol=0)
     plain = kernels.add_rms_norm(x, None, weight, 1e-6)
     torch.testing.assert_close(plain, hf_norm(x), atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [3, 70])  # decode-sized, and enough tokens to run in parallel
+def test_rope_store_matches_torch_rotation_and_cache_writes(dtype: torch.dtype,
+                                                            tokens: int) -> None:
+    from replicas.models.rope import apply_rotary
+    g = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim, slots = 6, 2, 64, 256
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, dim, generator=g).to(dtype)
+    angles = torch.rand(tokens, 1, dim // 2, generator=g) * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    slot_mapping = torch.randperm(slots, generator=g)[:tokens]
+    k_cache, v_cache = (torch.randn(kv_heads, slots, dim, generator=g).to(dtype) for _ in "kv")
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+
+    rotated = apply_rotary(qkv[:, :heads + kv_heads], cos, sin)
+    ref_k.index_copy_(1, slot_mapping, rotated[:, heads:].transpose(0, 1))
+    ref_v.index_copy_(1, slot_mapping, qkv[:, heads + kv_heads:].transpose(0, 1))
+    values = qkv[:, heads + kv_heads:].clone()
+
+    kernels.rope_store(qkv, cos, sin, slot_mapping, k_cache, v_cache, heads, kv_heads)
+    # bf16: bit-identical (each product rounded as torch rounds it); float32: within an ulp or
+    # so (the compiler may fuse a product into the sum)
+    same = torch.equal if dtype == torch.bfloat16 else (
+        lambda a, b: torch.allclose(a, b, rtol=1e-6, atol=1e-6))
+    assert same(qkv[:, :heads + kv_heads], rotated)  # rotated in place
+    assert torch.equal(qkv[:, heads + kv_heads:], values)  # values untouched
+    assert same(k_cache, ref_k) and torch.equal(v_cache, ref_v)  # other slots untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [2, 70])
+def test_silu_mul_matches_torch(dtype: torch.dtype, rows: int) -> None:
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(rows, 2 * 200, generator=g) * 4).to(dtype)
+    gate, up = x.chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    out = kernels.silu_mul(x)
+    assert out.shape == (rows, 200) and out.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+        return
+    # exp may differ from torch's in the last float32 bit; after rounding to bf16 that moves a
+    # result by at most one unit in the last place, and rarely
+    ulp = torch.finfo(dtype).eps * ref.abs().clamp_min(torch.finfo(dtype).tiny)
+    assert ((out - ref).abs().float() <= ulp.float() * 1.01).all()
+    assert (out != ref).float().mean() < 0.01
