@@ -58,6 +58,8 @@ class ReplicaConfig:
     # --stream-interval): the first token and the last always go at once; more than 1 trades
     # smoothness for fewer messages through the replica -> ingress -> proxy -> client path
     stream_interval: int = 1
+    # vLLM's --enforce-eager: no CUDA graphs for decode steps (they apply on CUDA at tp 1)
+    enforce_eager: bool = False
 
 
 def eos_token_ids(path: Path, hf_config) -> frozenset[int]:
@@ -138,7 +140,9 @@ class LLMServer:
         num_blocks = max(blocks_per_seq, min(num_blocks, blocks_per_seq * config.max_num_seqs))
         num_threads = config.num_threads or os.cpu_count() or 1
         worker_config = WorkerConfig(str(path), dtype, num_blocks, config.block_size,
-                                     config.tensor_parallel_size, num_threads)
+                                     config.tensor_parallel_size, num_threads,
+                                     max_num_seqs=config.max_num_seqs, max_model_len=max_len,
+                                     cuda_graphs=not config.enforce_eager)
         compute = compute_thread()
         if config.tensor_parallel_size == 1:
             # built on the thread that will run it: one OpenMP team for all torch work

@@ -13,6 +13,7 @@ import torch
 
 from replicas import kernels
 from replicas.attention import AttentionMetadata, PrefillRow
+from replicas.cuda_graphs import DecodeGraphs
 
 
 @dataclass(frozen=True)
@@ -37,8 +38,10 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int) -> None:
+    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int,
+                 graphs: DecodeGraphs | None = None) -> None:
         self.model = model
+        self.graphs = graphs
         self.device = kv_cache.device
         self._workspace: torch.Tensor | None = None
         self.kv_cache = kv_cache
@@ -106,8 +109,31 @@ class ModelRunner:
                                           device=self.device)
         return self._workspace[0], self._workspace[1]
 
+    def _replay(self, step: StepInput) -> StepOutput | None:
+        """A decode-only step through a CUDA graph; None where the step does not fit one."""
+        rows = step.rows
+        if any(len(r.token_ids) != 1 or r.all_logits for r in rows):
+            return None
+        bs = self.block_size
+        lens = [r.start + 1 for r in rows]
+        width = max(-(-n // bs) for n in lens)
+        if not self.graphs.fits(len(rows), width):
+            return None
+        logits = self.graphs.run(
+            [r.token_ids[0] for r in rows], [r.start for r in rows],
+            [r.block_table[r.start // bs] * bs + r.start % bs for r in rows],
+            [r.block_table[:width] for r in rows], lens, width)
+        sampled = [i for i, r in enumerate(rows) if r.sample]
+        if len(sampled) < len(rows):
+            logits = logits[sampled]
+        return StepOutput(logits.cpu(), (None,) * len(rows))
+
     @torch.no_grad()
     def execute(self, step: StepInput) -> StepOutput:
+        if self.graphs is not None:
+            out = self._replay(step)
+            if out is not None:
+                return out
         input_ids, positions, meta = self.prepare(step)
         hidden = self.model(input_ids, positions, self.kv_cache, meta)
         sample_index: list[int] = []

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
+from replicas.cuda_graphs import DecodeGraphs
 from replicas.loader import load_weights
 from replicas.model_runner import ModelRunner, StepInput, StepOutput
 from replicas.models import get_model_class
@@ -25,6 +26,11 @@ class WorkerConfig:
     block_size: int
     tp_size: int = 1
     num_threads: int = 0  # torch intra-op threads; 0 = leave torch's default
+    # CUDA graphs for decode steps (CUDA, tp 1) need the largest batch and context to size their
+    # buffers; 0 leaves them off, as does cuda_graphs=False (vLLM's --enforce-eager)
+    max_num_seqs: int = 0
+    max_model_len: int = 0
+    cuda_graphs: bool = True
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -55,10 +61,19 @@ class ShardWorker:
         model.to(self.device).eval()
         head_dim = model.layers[0].self_attn.head_dim
         kv_heads = model.layers[0].self_attn.num_kv_heads
+        graphs = (config.cuda_graphs and self.device.type == "cuda" and config.tp_size == 1
+                  and config.max_num_seqs > 0 and config.max_model_len > 0)
+        # with graphs, one block past the block manager's takes the padding rows' writes
+        blocks = config.num_blocks + (1 if graphs else 0)
         kv_cache = torch.zeros(hf_config.num_hidden_layers, 2, kv_heads,
-                               config.num_blocks * config.block_size, head_dim, dtype=dtype,
+                               blocks * config.block_size, head_dim, dtype=dtype,
                                device=self.device)
-        self.runner = ModelRunner(model, kv_cache, config.block_size)
+        decode_graphs = None
+        if graphs:
+            decode_graphs = DecodeGraphs(
+                model, kv_cache, config.block_size, config.max_num_seqs,
+                -(-config.max_model_len // config.block_size), pad_block=config.num_blocks)
+        self.runner = ModelRunner(model, kv_cache, config.block_size, decode_graphs)
 
     def execute(self, step: StepInput) -> StepOutput | None:
         out = self.runner.execute(step)

@@ -37,6 +37,8 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--stream-interval", type=int,
                    help="tokens per streamed message after the first (default 1: every token); "
                         "larger values cut per-token serving overhead")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs for decode steps (used on CUDA at tensor-parallel size 1)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--priority-scheduling", action="store_true")
     p.add_argument("--api-key", help="or SHARDSERVE_API_KEY")
@@ -62,7 +64,8 @@ def config_from_args(args: argparse.Namespace):
                   "kv_cache_gib": args.kv_cache_gib, "max_num_seqs": args.max_num_seqs,
                   "max_num_batched_tokens": args.max_num_batched_tokens,
                   "block_size": args.block_size, "num_threads": args.num_threads,
-                  "stream_interval": args.stream_interval}
+                  "stream_interval": args.stream_interval,
+                  "enforce_eager": args.enforce_eager or None}
     model = {k: v for k, v in model_keys.items() if v is not None}
     if args.no_prefix_caching:
         model["enable_prefix_caching"] = False

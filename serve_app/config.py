@@ -52,6 +52,7 @@ class ModelConfig(BaseModel):
     structured_timeout_s: float = Field(10.0, gt=0)  # the compile limit of one constraint
     # tokens per streamed message after the first (vLLM's --stream-interval); 1: every token
     stream_interval: int = Field(1, ge=1)
+    enforce_eager: bool = False
 
     @property
     def name(self) -> str:
@@ -61,6 +62,7 @@ class ModelConfig(BaseModel):
         return ReplicaConfig(
             logits_processors=tuple(logits_processors or ()),
             structured_timeout_s=self.structured_timeout_s, stream_interval=self.stream_interval,
+            enforce_eager=self.enforce_eager,
             model=self.model, max_model_len=self.max_model_len, dtype=self.dtype,
             tensor_parallel_size=self.tensor_parallel_size, block_size=self.block_size,
             kv_cache_gib=self.kv_cache_gib, max_num_seqs=self.max_num_seqs,

@@ -23,6 +23,7 @@ from typing import Any
 
 EMBEDDED_MODEL_ID = "shardserve/tiny-llama"
 BENCH_MODEL_ID = "shardserve/bench-135m"
+BENCH_1B_MODEL_ID = "shardserve/bench-1b"
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -51,6 +52,20 @@ BENCH_135M: dict[str, Any] = {
     "num_attention_heads": 9,
     "num_key_value_heads": 3,
     "head_dim": 64,
+    "seed": 0,
+    "dtype": "bfloat16",
+}
+
+# Llama-3.2-1B's shape (tied embeddings) with our vocabulary: ~0.97B parameters, for GPU benchmarks
+BENCH_1B: dict[str, Any] = {
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": True,
     "seed": 0,
     "dtype": "bfloat16",
 }
@@ -200,4 +215,10 @@ def ensure_bench_model(cache_dir: Path | None = None) -> Path:
     return _ensure("bench-135m", BENCH_135M, cache_dir)
 
 
-EMBEDDED_MODELS = {EMBEDDED_MODEL_ID: ensure_embedded_model, BENCH_MODEL_ID: ensure_bench_model}
+def ensure_bench_1b_model(cache_dir: Path | None = None) -> Path:
+    """The folder of `shardserve/bench-1b` (Llama-3.2-1B's shape with our vocabulary, bfloat16)."""
+    return _ensure("bench-1b", BENCH_1B, cache_dir)
+
+
+EMBEDDED_MODELS = {EMBEDDED_MODEL_ID: ensure_embedded_model, BENCH_MODEL_ID: ensure_bench_model,
+                   BENCH_1B_MODEL_ID: ensure_bench_1b_model}

@@ -1,0 +1,130 @@
+"""`bench step`: the model's decode step alone (one ShardWorker: no engine loop, no Ray) at several
+batch sizes, on the device the worker picks (the GPU when there is one), against the memory-bandwidth
+bound measured in the same run: the bytes a step must read (every weight once, plus each row's
+cached keys and values) over the device's copy bandwidth. It imports neither Ray nor the serving
+stack, so it runs on a bare GPU machine with torch and transformers alone."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from replicas.embedded import BENCH_MODEL_ID
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=BENCH_MODEL_ID,
+                   help="an embedded id (shardserve/bench-135m, shardserve/bench-1b) or a folder")
+    p.add_argument("--batch-sizes", default="1,8,32,64,128")
+    p.add_argument("--context", type=int, default=512, help="cached tokens per row")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--num-threads", type=int, default=0)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (as vLLM's flag)")
+    p.add_argument("--result-json", type=Path)
+
+
+def _sync(device: Any) -> None:
+    import torch
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: Any, gib: float = 1.0) -> float:
+    """Bytes per second read plus written by a large device-to-device copy (best of 5)."""
+    import torch
+    n = int(gib * 2**30) // 4
+    a = torch.ones(n, device=device)
+    b = torch.empty_like(a)
+    best = float("inf")
+    for _ in range(6):
+        _sync(device)
+        t = time.perf_counter()
+        b.copy_(a)
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    return 2 * a.numel() * a.element_size() / best
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from replicas.model_files import resolve_model_path
+    from replicas.model_runner import RowInput, StepInput
+    from replicas.worker import ShardWorker, WorkerConfig
+
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    block = 16
+    blocks_per_row = args.context // block + 1
+    worker = ShardWorker(WorkerConfig(str(resolve_model_path(args.model)), args.dtype,
+                                      max(batches) * blocks_per_row + 1, block,
+                                      num_threads=args.num_threads, max_num_seqs=max(batches),
+                                      max_model_len=args.context + block,
+                                      cuda_graphs=not args.enforce_eager))
+    model, device = worker.runner.model, worker.device
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_bytes_per_token = (2 * config.num_hidden_layers * config.num_key_value_heads * head_dim
+                          * next(model.parameters()).element_size())
+    bandwidth = copy_bandwidth(device)
+    out: dict[str, Any] = {
+        "model": args.model, "device": torch_device_name(device),
+        "cuda_graphs": worker.runner.graphs is not None,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "weight_bytes": weight_bytes, "copy_bandwidth_gb_s": bandwidth / 1e9,
+        "context": args.context, "steps": {}}
+    for b in batches:
+        tables = [tuple(range(i * blocks_per_row + 1, (i + 1) * blocks_per_row + 1))
+                  for i in range(b)]
+        step = StepInput(tuple(RowInput((5,), args.context, tables[i], True) for i in range(b)))
+        for _ in range(3):
+            worker.execute(step)
+        _sync(device)
+        times = []
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            worker.execute(step)
+            _sync(device)
+            times.append(time.perf_counter() - t)
+        times.sort()
+        # reading each weight once and each row's cache once, at the copy's rate (read+write
+        # counted there, so half of it is the read rate)
+        bound = (weight_bytes + b * args.context * kv_bytes_per_token) / (bandwidth / 2)
+        median = times[len(times) // 2]
+        out["steps"][b] = {"median_ms": median * 1e3, "min_ms": times[0] * 1e3,
+                           "bandwidth_bound_ms": bound * 1e3,
+                           "bound_over_step": bound / median,
+                           "tokens_per_s": b / median}
+    return out
+
+
+def torch_device_name(device: Any) -> str:
+    import torch
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    result = run(args)
+    print(f"{result['model']} on {result['device']}: {result['parameters'] / 1e6:.0f}M parameters, "
+          f"{result['weight_bytes'] / 1e9:.2f} GB of weights; copy bandwidth "
+          f"{result['copy_bandwidth_gb_s']:.0f} GB/s (read + write); context {args.context}; "
+          f"CUDA graphs {'on' if result['cuda_graphs'] else 'off'}")
+    print(f"{'batch':>6} {'step p50 ms':>12} {'min ms':>8} {'bound ms':>9} {'bound/step':>11} "
+          f"{'tok/s':>9}")
+    for b, r in result["steps"].items():
+        print(f"{b:>6} {r['median_ms']:>12.2f} {r['min_ms']:>8.2f} {r['bandwidth_bound_ms']:>9.2f} "
+              f"{r['bound_over_step']:>11.2f} {r['tokens_per_s']:>9.0f}")
+    if args.result_json:
+        args.result_json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":  # `python -m benchmarks.step` on a machine without the serving stack
+    import sys
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.step", description=__doc__)
+    add_cli_args(parser)
+    sys.exit(run_cli(parser.parse_args()))

@@ -1,0 +1,34 @@
+"""`bench step`: the decode step alone against the bandwidth bound, without Ray or the engine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+from benchmarks import step
+
+
+def test_step_times_each_batch_and_its_bound(tmp_path) -> None:
+    parser = argparse.ArgumentParser()
+    step.add_cli_args(parser)
+    args = parser.parse_args(["--model", "shardserve/tiny-llama", "--batch-sizes", "1,4",
+                              "--context", "40", "--repeats", "3", "--dtype", "float32",
+                              "--result-json", str(tmp_path / "r.json")])
+    assert step.run_cli(args) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["device"] == "cpu" and result["weight_bytes"] > 4e6 * 4
+    steps = result["steps"]
+    assert set(steps) == {"1", "4"}
+    # a bigger batch reads more cache, so its bound is higher; every step takes some time
+    assert steps["4"]["bandwidth_bound_ms"] > steps["1"]["bandwidth_bound_ms"] > 0
+    assert all(s["median_ms"] >= s["min_ms"] > 0 for s in steps.values())
+
+
+def test_runs_without_ray_or_the_serving_stack() -> None:
+    """What lets it run on a bare GPU machine: importing it pulls in neither Ray nor FastAPI."""
+    code = ("import sys, benchmarks.step, replicas.worker, replicas.model_files; "
+            "print(sorted(m for m in ('ray', 'fastapi', 'outlines') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
