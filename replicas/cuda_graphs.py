@@ -97,6 +97,14 @@ class DecodeGraphs:
         self.tables[start:end] = self.pad_block
         self.lens[start:end] = 1
 
+    def _fill(self, packed: torch.Tensor, rows: torch.Tensor, b: int) -> None:
+        """This step's rows into the static buffers, padding after them up to the bucket b."""
+        n, w = rows.shape
+        self.input_ids[:n], self.positions[:n] = packed[0], packed[1]
+        self.slot_mapping[:n], self.lens[:n] = packed[2], packed[3]
+        self.tables[:n, :w] = rows
+        self._pad(n, b)
+
     @torch.no_grad()
     def run(self, ids: list[int], positions: list[int], slots: list[int],
             tables: list[tuple[int, ...]], lens: list[int],
@@ -105,25 +113,15 @@ class DecodeGraphs:
         n = len(ids)
         b = self.batch_buckets[bisect.bisect_left(self.batch_buckets, n)]
         w = self.width_buckets[bisect.bisect_left(self.width_buckets, width)]
-        packed = torch.tensor([[*ids], [*positions], [*slots], [*lens]], dtype=torch.long)
-        rows = torch.full((n, w), self.pad_block, dtype=torch.long)
-        for i, t in enumerate(tables):
-            k = min(len(t), w)
-            rows[i, :k] = torch.tensor(t[:k])
-        packed, rows = packed.to(self.device, non_blocking=True), rows.to(self.device,
-                                                                          non_blocking=True)
-        self.input_ids[:n], self.positions[:n] = packed[0], packed[1]
-        self.slot_mapping[:n], self.lens[:n] = packed[2], packed[3]
-        self.tables[:n, :w] = rows
-        self._pad(n, b)
+        packed = torch.tensor([ids, positions, slots, lens], dtype=torch.long).to(
+            self.device, non_blocking=True)
+        rows = torch.tensor([[*t[:w], *[self.pad_block] * (w - len(t[:w]))] for t in tables],
+                            dtype=torch.long).to(self.device, non_blocking=True)
+        self._fill(packed, rows, b)
         key = (b, w)
         if key not in self.graphs:
             self.graphs[key] = self._capture(b, w)
-            # the capture's warm-up ran on padding; put this step's rows back
-            self.input_ids[:n], self.positions[:n] = packed[0], packed[1]
-            self.slot_mapping[:n], self.lens[:n] = packed[2], packed[3]
-            self.tables[:n, :w] = rows
-            self._pad(n, b)
+            self._fill(packed, rows, b)  # the capture's warm-up ran on padding
         graph, out = self.graphs[key]
         graph.replay()
         return out[:n]
