@@ -42,6 +42,18 @@ INLINE void store_row(void *dst, int64_t offset, int dtype, const float *src, in
     }
 }
 
+/* s[j] = exp(s[j] - max s) in place; returns their sum (the softmax's denominator) */
+INLINE float exp_shifted(float *s, int64_t n) {
+    float m = -INFINITY, sum = 0.0f;
+    for (int64_t j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < n; j++) {
+        s[j] = expf(s[j] - m);
+        sum += s[j];
+    }
+    return sum;
+}
+
 #ifdef __AVX512F__
 /* x[t] holds partial sums of key t in its 16 lanes; returns the 16 totals, key t in lane t.
    A transpose-and-add tree: 45 shuffles and adds instead of 16 separate horizontal sums. */
@@ -204,14 +216,7 @@ INLINE int attend_dp(const uint16_t *q, const uint16_t *k_cache, const uint16_t 
     }
     for (int64_t g = 0; g < group; g++) {
         float *sg = scores + g * len;
-        float m = -INFINITY, sum = 0.0f;
-        for (int64_t j = 0; j < len; j++) m = sg[j] > m ? sg[j] : m;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < len; j++) {
-            sg[j] = expf(sg[j] - m);
-            sum += sg[j];
-        }
-        const float inv = 1.0f / sum;
+        const float inv = 1.0f / exp_shifted(sg, len);
         uint32_t *bits = (uint32_t *)sg;
 #pragma omp simd
         for (int64_t j = 0; j < len; j++) {
@@ -298,14 +303,7 @@ INLINE int attend(
     }
     for (int64_t g = 0; g < group; g++) {
         float *sg = scores + g * len;
-        float m = -INFINITY, sum = 0.0f;
-        for (int64_t j = 0; j < len; j++) m = sg[j] > m ? sg[j] : m;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < len; j++) {
-            sg[j] = expf(sg[j] - m);
-            sum += sg[j];
-        }
-        const float inv = 1.0f / sum;
+        const float inv = 1.0f / exp_shifted(sg, len);
         for (int64_t j = 0; j < len; j++) sg[j] *= inv;
     }
     memset(acc, 0, sizeof(float) * (size_t)(group * head_dim));
