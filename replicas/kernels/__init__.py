@@ -79,25 +79,23 @@ def _build(compiler: str) -> Path:
     return out
 
 
+_PTR, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+# each kernel's C arguments; the library exports one function per dtype, NAME_f32 and NAME_bf16
+_SIGNATURES = {
+    "paged_decode_attention": [_PTR] * 6 + [_I64] * 7 + [_F32, _INT],
+    "add_rms_norm": [_PTR, _PTR, _PTR, _F32, _PTR, _I64, _I64, _INT],
+    "rope_store": [_PTR] * 6 + [_I64] * 5 + [_INT],
+    "silu_mul": [_PTR, _PTR, _I64, _I64, _INT],
+}
+_SUFFIX = {torch.float32: "_f32", torch.bfloat16: "_bf16"}
+
+
 def _declare(lib: ctypes.CDLL) -> None:
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    for name in ("paged_decode_attention_f32", "paged_decode_attention_bf16"):
-        fn = getattr(lib, name)
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64,
-                       ctypes.c_float, ctypes.c_int]
-    for name in ("add_rms_norm_f32", "add_rms_norm_bf16"):
-        fn = getattr(lib, name)
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ptr, ptr, ptr, ctypes.c_float, ptr, i64, i64, ctypes.c_int]
-    for name in ("rope_store_f32", "rope_store_bf16"):
-        fn = getattr(lib, name)
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_int]
-    for name in ("silu_mul_f32", "silu_mul_bf16"):
-        fn = getattr(lib, name)
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
+    for name, argtypes in _SIGNATURES.items():
+        for suffix in _SUFFIX.values():
+            fn = getattr(lib, name + suffix)
+            fn.restype = ctypes.c_int
+            fn.argtypes = argtypes
 
 
 def load() -> ctypes.CDLL | None:
@@ -130,12 +128,16 @@ def _open() -> ctypes.CDLL | None:
     return lib
 
 
-_KERNELS = {torch.float32: "paged_decode_attention_f32",
-            torch.bfloat16: "paged_decode_attention_bf16"}
-
-
 def supports(dtype: torch.dtype, device: torch.device) -> bool:
-    return device.type == "cpu" and dtype in _KERNELS and load() is not None
+    return device.type == "cpu" and dtype in _SUFFIX and load() is not None
+
+
+def _kernel(name: str, dtype: torch.dtype):
+    """The library's `name` for `dtype`; callers check `supports` first."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("native kernels are not available")
+    return getattr(lib, name + _SUFFIX[dtype])
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -143,14 +145,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_size: int, scale: float) -> torch.Tensor:
     """q [B, H, D]; caches [Hkv, slots, D]; block_tables [B, nb] int64; context_lens [B] int64.
     Returns [B, H, D]. Call only where `supports(q.dtype, q.device)`."""
-    lib = load()
-    if lib is None:
-        raise RuntimeError("native kernels are not available")
     q = q.contiguous()
     out = torch.empty_like(q)
     b, h, d = q.shape
     kv_heads, slots, _ = k_cache.shape
-    failed = getattr(lib, _KERNELS[q.dtype])(
+    failed = _kernel("paged_decode_attention", q.dtype)(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         context_lens.data_ptr(), out.data_ptr(), b, h, kv_heads, d, slots // block_size,
         block_size, block_tables.shape[1], scale, torch.get_num_threads())
@@ -159,29 +158,20 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
-_NORMS = {torch.float32: "add_rms_norm_f32", torch.bfloat16: "add_rms_norm_bf16"}
-
-
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> torch.Tensor:
     """RMSNorm of x (residual None) or of x + residual, which is written into `residual` in
     place; as transformers rounds it. x, residual [..., dim] and weight [dim] of one dtype.
     Call only where `supports(x.dtype, x.device)`."""
-    lib = load()
-    if lib is None:
-        raise RuntimeError("native kernels are not available")
     x = x.contiguous()
     if residual is not None and not residual.is_contiguous():
         raise ValueError("the residual is updated in place and must be contiguous")
     out = torch.empty_like(x)
     dim = x.shape[-1]
-    getattr(lib, _NORMS[x.dtype])(
+    _kernel("add_rms_norm", x.dtype)(
         x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), eps,
         out.data_ptr(), x.numel() // dim, dim, torch.get_num_threads())
     return out
-
-
-_SUFFIX = {torch.float32: "_f32", torch.bfloat16: "_bf16"}
 
 
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -190,14 +180,11 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     """Rotates the q and k heads of qkv [T, heads + 2 * kv_heads, D] in place (cos, sin:
     [T, 1, D/2]) and stores the rotated keys and the values at slot_mapping [T] int64 of the
     caches [kv_heads, slots, D]. Call only where `supports(qkv.dtype, qkv.device)`."""
-    lib = load()
-    if lib is None:
-        raise RuntimeError("native kernels are not available")
     if not (qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
             and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()):
         raise ValueError("rope_store wants contiguous qkv, cos, sin and int64 slots")
     tokens, _, dim = qkv.shape
-    getattr(lib, "rope_store" + _SUFFIX[qkv.dtype])(
+    _kernel("rope_store", qkv.dtype)(
         qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(),
         k_cache.data_ptr(), v_cache.data_ptr(), tokens, heads, kv_heads, dim, k_cache.shape[1],
         torch.get_num_threads())
@@ -206,13 +193,9 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of x [..., 2 * inter] (gate first), rounded as torch rounds.
     Call only where `supports(x.dtype, x.device)`."""
-    lib = load()
-    if lib is None:
-        raise RuntimeError("native kernels are not available")
     x = x.contiguous()
     inter = x.shape[-1] // 2
     out = x.new_empty((*x.shape[:-1], inter))
-    getattr(lib, "silu_mul" + _SUFFIX[x.dtype])(x.data_ptr(), out.data_ptr(),
-                                                x.numel() // (2 * inter), inter,
-                                                torch.get_num_threads())
+    _kernel("silu_mul", x.dtype)(x.data_ptr(), out.data_ptr(), x.numel() // (2 * inter), inter,
+                                 torch.get_num_threads())
     return out

@@ -75,21 +75,20 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = qkv.view(-1, heads + 2 * kv_heads, dim)
-        if self.qk_norm:
-            q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
-            q = apply_rotary(self.q_norm(q), *rope)
-            k = apply_rotary(self.k_norm(k), *rope)
-        elif kernels.supports(qkv.dtype, qkv.device):
+        stored = not self.qk_norm and kernels.supports(qkv.dtype, qkv.device)
+        if stored:
             # rotated in place and the keys and values stored into the cache in one native call
             kernels.rope_store(qkv, *rope, meta.slot_mapping, k_cache, v_cache, heads, kv_heads)
             q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
-            o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, stored=True)
-            return self.o_proj(o.view(-1, heads * dim))
+        elif self.qk_norm:
+            q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+            q = apply_rotary(self.q_norm(q), *rope)
+            k = apply_rotary(self.k_norm(k), *rope)
         else:
             # q and k rotated together: half the ops of rotating each
             q, k = apply_rotary(qkv[:, :heads + kv_heads], *rope).split([heads, kv_heads], dim=1)
             v = qkv[:, heads + kv_heads:]
-        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, stored=stored)
         return self.o_proj(o.view(-1, heads * dim))
 
 
