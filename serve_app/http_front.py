@@ -41,21 +41,41 @@ def haproxy_available() -> bool:
         return shutil.which("haproxy") is not None
 
 
-def _free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
+# HAProxy's own ports come from here: above Ray's worker ports (10002-19999), below Serve's
+# direct-ingress ports (30000-31000) and Linux's ephemeral range (32768+), which Ray's processes
+# bind at random while they start. A free ephemeral port picked before Ray starts was taken by
+# one of them before HAProxy bound it.
+_PORTS = range(20000, 30000)
+
+
+def _free_ports(n: int) -> list[str]:
+    """n ports of _PORTS that bind now, searched from a per-process start (two servers starting
+    at once begin in different places)."""
+    start = os.getpid() % len(_PORTS)
+    found: list[str] = []
+    for i in range(len(_PORTS)):
+        port = _PORTS[(start + i) % len(_PORTS)]
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        found.append(str(port))
+        if len(found) == n:
+            return found
+    raise OSError(f"no free port for HAProxy in {_PORTS.start}-{_PORTS.stop - 1}")
 
 
 def front_env(front: HttpFront) -> dict[str, str]:
     """The environment that selects `front` in the processes of a Ray started after it is set.
     Settings already in the environment win."""
     if front == "haproxy":
+        stats, metrics = _free_ports(2)
         tunables = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": _DRAIN_S,
                     # HAProxy's stats page and Prometheus endpoint default to fixed ports (8404,
                     # 9101) on all interfaces: a second server on the machine could not start
-                    "RAY_SERVE_HAPROXY_STATS_PORT": _free_port(),
-                    "RAY_SERVE_HAPROXY_METRICS_PORT": _free_port()}
+                    "RAY_SERVE_HAPROXY_STATS_PORT": stats,
+                    "RAY_SERVE_HAPROXY_METRICS_PORT": metrics}
         return {"RAY_SERVE_ENABLE_HA_PROXY": "1",
                 **{k: os.environ.get(k, v) for k, v in tunables.items()}}
     return {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
