@@ -1,8 +1,8 @@
 """Attention over the paged KV cache.
 
-The cache of one layer is `[kv_heads, slots, head_dim]` for K and for V. On CPUs the native kernel
-(`replicas.kernels`) attends decode rows over it in place. Elsewhere (GPUs, or no C compiler) a
-row's blocks are gathered as rows of the 2-D view `[kv_heads * blocks, block_size * head_dim]`,
+The cache of one layer is `[kv_heads, slots, head_dim]` for K and for V. A kernel of
+`replicas.kernels` attends decode rows over it in place: native C on CPUs, Triton on GPUs.
+Elsewhere (no C compiler, no Triton) a row's blocks are gathered as rows of the 2-D view `[kv_heads * blocks, block_size * head_dim]`,
 which yields `[kv_heads, rows, keys, head_dim]`, already the layout the two matmuls want.
 
 The model runner describes one step with `AttentionMetadata` (built once per step, shared by every
@@ -36,7 +36,7 @@ class AttentionMetadata:
     decode_token_index: torch.Tensor | None = None  # [Bd] flat positions of the decode rows' tokens
     decode_block_tables: torch.Tensor | None = None  # [Bd, max blocks] padded with block 0
     decode_context_lens: torch.Tensor | None = None  # [Bd] keys each decode row attends to
-    native_decode: bool = False  # decode rows through the native kernel: none of the below
+    native_decode: bool = False  # decode rows through kernels.paged_decode_attention: none below
     # the torch path: [Hkv * Bd * max blocks] rows h * num_blocks + block of the cache viewed as
     # [Hkv * num_blocks, block_size * D], in (kv head, row, block) order
     decode_gather_index: torch.Tensor | None = None

@@ -16,6 +16,7 @@ import bisect
 
 import torch
 
+from replicas import kernels
 from replicas.attention import AttentionMetadata
 
 BatchSizes = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -44,9 +45,12 @@ class DecodeGraphs:
         self.tables = torch.zeros(max_batch, max_blocks, **long)
         self.lens = torch.ones(max_batch, **long)
         kv_heads, slots, dim = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
+        self.native = kernels.supports_paged_decode(kv_cache.dtype, dev)
         self.head_offsets = (torch.arange(kv_heads, device=dev) * (slots // block_size))
-        self.workspace = torch.empty(2, kv_heads * max_batch * max_blocks * block_size * dim,
-                                     dtype=kv_cache.dtype, device=dev)
+        # the torch path's gather target; the Triton kernel reads the cache in place
+        self.workspace = (None if self.native else
+                          torch.empty(2, kv_heads * max_batch * max_blocks * block_size * dim,
+                                      dtype=kv_cache.dtype, device=dev))
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool: object | None = None
 
@@ -58,6 +62,11 @@ class DecodeGraphs:
         captured graph recomputes it from whatever the buffers hold at replay."""
         tables = self.tables[:b, :w]
         lens = self.lens[:b]
+        if self.native:
+            return AttentionMetadata(
+                self.slot_mapping[:b], (), self.block_size,
+                decode_token_index=torch.arange(b, device=self.device),
+                decode_block_tables=tables, decode_context_lens=lens, native_decode=True)
         index = (self.head_offsets.unsqueeze(1) + tables.flatten()).flatten()
         mask = (torch.arange(w * self.block_size, device=self.device).unsqueeze(0)
                 < lens.unsqueeze(1))[:, None, None, :]

@@ -46,7 +46,7 @@ class ModelRunner:
         self._workspace: torch.Tensor | None = None
         self.kv_cache = kv_cache
         self.block_size = block_size
-        self.native_decode = kernels.supports(kv_cache.dtype, kv_cache.device)
+        self.native_decode = kernels.supports_paged_decode(kv_cache.dtype, kv_cache.device)
 
     def _slots(self, block_table: tuple[int, ...], start: int, end: int) -> list[int]:
         # plain ints: for the one or few slots of a decode row, cheaper than building tensors

@@ -11,7 +11,11 @@ dtype (`dtype.h`).
 The library is compiled with the machine's C compiler (`$CC`, else `cc`) for the CPU it runs on
 and cached under `$SHARDSERVE_CACHE/kernels/<hash of source, flags and CPU>`; the build is atomic,
 so concurrent replicas on one node race harmlessly. Without a compiler (or with
-`SHARDSERVE_NATIVE_KERNELS=0`) `load()` returns None and callers keep the torch path."""
+`SHARDSERVE_NATIVE_KERNELS=0`) `load()` returns None and callers keep the torch path.
+
+On GPUs, decode attention over the paged cache is a Triton kernel (`triton_attention.py`)
+where Triton is installed (`SHARDSERVE_NATIVE_KERNELS=0` turns it off too);
+`supports_paged_decode` says which path a device gets."""
 
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from functools import cache
+from importlib.util import find_spec
 from pathlib import Path
 
 import torch
@@ -132,6 +138,20 @@ def supports(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype in _SUFFIX and load() is not None
 
 
+@cache
+def _has_triton() -> bool:
+    return (os.environ.get("SHARDSERVE_NATIVE_KERNELS", "1") != "0"
+            and find_spec("triton") is not None)
+
+
+def supports_paged_decode(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `paged_decode_attention` runs for caches of `dtype` on `device`: the native
+    kernel on CPUs, Triton's on CUDA (float16, bfloat16, float32)."""
+    if device.type == "cuda":
+        return dtype in (torch.float16, torch.bfloat16, torch.float32) and _has_triton()
+    return supports(dtype, device)
+
+
 def _kernel(name: str, dtype: torch.dtype):
     """The library's `name` for `dtype`; callers check `supports` first."""
     lib = load()
@@ -144,7 +164,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            block_size: int, scale: float) -> torch.Tensor:
     """q [B, H, D]; caches [Hkv, slots, D]; block_tables [B, nb] int64; context_lens [B] int64.
-    Returns [B, H, D]. Call only where `supports(q.dtype, q.device)`."""
+    Returns [B, H, D]. Call only where `supports_paged_decode(q.dtype, q.device)`."""
+    if q.device.type == "cuda":
+        from replicas.kernels import triton_attention
+        return triton_attention.paged_decode_attention(q, k_cache, v_cache, block_tables,
+                                                       context_lens, block_size, scale)
     q = q.contiguous()
     out = torch.empty_like(q)
     b, h, d = q.shape
