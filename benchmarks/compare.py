@@ -4,18 +4,26 @@ on the same model, and a table of ratios.
 Peers: `transformers serve --continuous-batching` (an OpenAI server), plain `transformers`
 `generate` with static batches of the same concurrency (no server: the batch's output tokens
 over its wall time), and llama.cpp's `llama-server` when a binary and a GGUF file are given.
-Servers run as subprocesses on free ports and are stopped after their turn."""
+Servers run as subprocesses on free ports and are stopped after their turn. The peer `engine` is
+our own engine alone (`bench engine` in a subprocess: no HTTP, no Ray Serve) on prompts of the
+same templated length, the yardstick for what serving costs.
+
+`--rounds N` runs every peer N times, in the same order each round; the table gives each peer's
+median and, for each shardserve variant, the median of its per-round ratios, since on a noisy
+machine a peer's throughput moves by a quarter between rounds while a same-round ratio moves
+less."""
 
 from __future__ import annotations
 
 import argparse
-import shlex
 import asyncio
 import contextlib
 import json
 import os
+import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -29,7 +37,7 @@ from benchmarks.client import ClientConfig, StreamingClient
 from benchmarks.datasets import BenchRequest, load_tokenizer, random_requests
 from benchmarks.serve import RunSettings, run_benchmark
 
-PEERS = ("shardserve", "transformers-serve", "transformers-generate", "llama-server")
+PEERS = ("shardserve", "transformers-serve", "transformers-generate", "llama-server", "engine")
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -50,6 +58,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shardserve-variant", action="append", default=[], metavar="NAME=FLAGS",
                    help="also run shardserve with these extra flags, as peer shardserve[NAME] "
                         "(repeatable), e.g. si4='--stream-interval 4'")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every peer this many times; the table reports medians")
     p.add_argument("--startup-timeout", type=float, default=300)
     p.add_argument("--result-json", type=Path)
     p.add_argument("--seed", type=int, default=0)
@@ -167,45 +177,86 @@ def static_generate(path: Path, requests: list[BenchRequest], args: argparse.Nam
             "total_output_tokens": out_tokens, "completed": len(prompts)}
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def engine_alone(path: Path, requests: list[BenchRequest], tokenizer: Any,
+                 args: argparse.Namespace) -> dict[str, Any]:
+    """`bench engine` in a subprocess on this load's shape: as many sequences, prompts of the
+    templated prompts' mean token length, the same output length and concurrency."""
+    lens = [len(tokenizer.apply_chat_template(r.chat_messages(), tokenize=True,
+                                              add_generation_prompt=True))
+            for r in requests[args.num_warmups:]]
+    prompt_len = round(sum(lens) / len(lens))
+    out = Path(f"/tmp/bench-compare-engine-{os.getpid()}.json")
+    cmd = [sys.executable, "-m", "serve_app.cli", "bench", "engine", "--model", str(path),
+           "--num-seqs", str(len(lens)), "--min-input-len", str(prompt_len),
+           "--max-input-len", str(prompt_len), "--min-output-len", str(args.output_len),
+           "--max-output-len", str(args.output_len), "--max-num-seqs", str(args.concurrency),
+           "--dtype", args.dtype, "--result-json", str(out)]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=3600)
+    result = json.loads(out.read_text())
+    out.unlink()
+    return {"output_throughput": result["output_tokens_per_s"], "duration": result["elapsed_s"],
+            "total_output_tokens": result["output_tokens"], "completed": result["num_seqs"],
+            "decode_only_step_ms": result["decode_only_step_ms"]}
+
+
+def run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+    """Each peer's summaries, one per round."""
     from replicas.model_files import resolve_model_path
 
     path = resolve_model_path(args.model)
     tokenizer = load_tokenizer(str(path))
     requests = random_requests(args.num_prompts + args.num_warmups, args.input_len,
                                args.output_len, tokenizer=tokenizer, seed=args.seed)
-    results: dict[str, Any] = {}
     peers = [p.strip() for p in args.peers.split(",") if p.strip()] + list(_variants(args))
-    for peer in peers:
-        print(f"--- {peer}", flush=True)
-        if peer == "transformers-generate":
-            results[peer] = static_generate(path, requests[args.num_warmups:], args)
-        else:
-            port = _free_port()
-            log = Path(f"/tmp/bench-compare-{peer.replace('[', '-').rstrip(']')}.log")
-            with _server(_serve_cmd(peer, args, path, port), port, args.startup_timeout,
-                         log) as base:
-                model = _served_model(base, str(path))
-                # transformers serve rejects vLLM's ignore_eos; its lengths rest on max_tokens
-                # (the random-weight models here almost never sample EOS)
-                results[peer] = asyncio.run(_load(base, model, requests, args,
-                                                  ignore_eos=peer != "transformers-serve"))
-        print(json.dumps({k: results[peer].get(k) for k in (
-            "output_throughput", "median_ttft_ms", "median_tpot_ms")}), flush=True)
+    results: dict[str, list[dict[str, Any]]] = {peer: [] for peer in peers}
+    for round_ in range(args.rounds):
+        for peer in peers:
+            print(f"--- {peer}" + (f" (round {round_ + 1}/{args.rounds})"
+                                   if args.rounds > 1 else ""), flush=True)
+            results[peer].append(_one(peer, path, requests, tokenizer, args))
+            print(json.dumps({k: results[peer][-1].get(k) for k in (
+                "output_throughput", "median_ttft_ms", "median_tpot_ms")}), flush=True)
     return results
 
 
-def table(results: dict[str, Any]) -> str:
-    """One row per peer; a ratio column for shardserve and for each shardserve variant."""
-    ours = {name: r.get("output_throughput") for name, r in results.items()
-            if name.startswith("shardserve")}
+def _one(peer: str, path: Path, requests: list[BenchRequest], tokenizer: Any,
+         args: argparse.Namespace) -> dict[str, Any]:
+    if peer == "transformers-generate":
+        return static_generate(path, requests[args.num_warmups:], args)
+    if peer == "engine":
+        return engine_alone(path, requests, tokenizer, args)
+    port = _free_port()
+    log = Path(f"/tmp/bench-compare-{peer.replace('[', '-').rstrip(']')}.log")
+    with _server(_serve_cmd(peer, args, path, port), port, args.startup_timeout, log) as base:
+        model = _served_model(base, str(path))
+        # transformers serve rejects vLLM's ignore_eos; its lengths rest on max_tokens
+        # (the random-weight models here almost never sample EOS)
+        return asyncio.run(_load(base, model, requests, args,
+                                 ignore_eos=peer != "transformers-serve"))
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def table(results: dict[str, list[dict[str, Any]]]) -> str:
+    """One row per peer (medians over rounds); a ratio column for shardserve and for each
+    shardserve variant: the median over rounds of ours / the peer's in the same round."""
+    def tputs(peer: str) -> list[float]:
+        return [r.get("output_throughput") or 0.0 for r in results[peer]]
+    ours = [name for name in results if name.startswith("shardserve")]
     lines = [f"{'peer':<24}{'out tok/s':>12}{'TTFT p50 ms':>14}{'TPOT p50 ms':>14}"
              + "".join(f"{name + ' / peer':>28}" for name in ours)]
-    for peer, r in results.items():
-        tput = r.get("output_throughput") or 0.0
-        ttft, tpot = r.get("median_ttft_ms"), r.get("median_tpot_ms")
-        ratios = "".join(f"{(f'{mine / tput:.2f}x' if mine and tput else '-'):>28}"
-                         for mine in ours.values())
+    for peer, runs in results.items():
+        tput = _median(tputs(peer)) or 0.0
+        ttft = _median([r["median_ttft_ms"] for r in runs if r.get("median_ttft_ms") is not None])
+        tpot = _median([r["median_tpot_ms"] for r in runs if r.get("median_tpot_ms") is not None])
+        cells = []
+        for mine in ours:
+            paired = [a / b for a, b in zip(tputs(mine), tputs(peer)) if a and b]
+            ratio = _median(paired)
+            cells.append(f"{(f'{ratio:.2f}x' if ratio else '-'):>28}")
+        ratios = "".join(cells)
         lines.append(f"{peer:<24}{tput:>12.1f}"
                      f"{(f'{ttft:.1f}' if ttft is not None else '-'):>14}"
                      f"{(f'{tpot:.1f}' if tpot is not None else '-'):>14}{ratios}")

@@ -15,9 +15,7 @@ import json
 import random
 import time
 from pathlib import Path
-from typing import Any
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from replicas.embedded import BENCH_MODEL_ID
 
@@ -51,16 +49,27 @@ def roofline_step_s(server: LLMServer, batch: int, repeats: int = 5) -> float:
     weights = [m.weight for m in model.modules() if hasattr(m, "weight")
                and m.weight is not None and m.weight.dim() == 2
                and m is not model.embed_tokens]
-    x = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights}
+    device = weights[0].device
+    x = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype, device=device)
+         for w in weights}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for w in weights:  # warm-up
         torch.nn.functional.linear(x[w.shape[1]], w)
     best = float("inf")
     for _ in range(repeats):
+        sync()
         t = time.perf_counter()
         for w in weights:
             torch.nn.functional.linear(x[w.shape[1]], w)
+        sync()
         best = min(best, time.perf_counter() - t)
     return best
+
+
+def _device_name(server: LLMServer) -> str:
+    import torch
+    device = server.engine.executor.worker.runner.device  # type: ignore[attr-defined]
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 async def _run(server: LLMServer, reqs: list[GenerateRequest]) -> float:
@@ -120,6 +129,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "roofline_decode_tokens_per_s": batch / roof,
         "single_stream_pass_ms": single * 1e3,
         "threads": torch.get_num_threads(),
+        "device": _device_name(server),
     }
     result["fraction_of_roofline"] = result["output_tokens_per_s"] / result[
         "roofline_decode_tokens_per_s"]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.compare import _serve_cmd, _variants, add_cli_args, table
+from benchmarks.compare import _serve_cmd, _variants, add_cli_args, engine_alone, table
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -29,12 +29,40 @@ def test_variants_run_shardserve_with_their_flags() -> None:
 
 
 def test_table_has_a_ratio_column_per_shardserve_run() -> None:
-    results = {"shardserve": {"output_throughput": 200.0, "median_ttft_ms": 10.0,
-                              "median_tpot_ms": 5.0},
-               "transformers-serve": {"output_throughput": 50.0},
-               "shardserve[si4]": {"output_throughput": 300.0}}
+    results = {"shardserve": [{"output_throughput": 200.0, "median_ttft_ms": 10.0,
+                               "median_tpot_ms": 5.0}],
+               "transformers-serve": [{"output_throughput": 50.0}],
+               "shardserve[si4]": [{"output_throughput": 300.0}]}
     rows = table(results).splitlines()
     assert "shardserve / peer" in rows[0] and "shardserve[si4] / peer" in rows[0]
     peer_row = next(r for r in rows if r.startswith("transformers-serve"))
     assert peer_row.split()[-2:] == ["4.00x", "6.00x"]
     assert rows[1].split()[-2:] == ["1.00x", "1.50x"]
+
+
+def test_rounds_report_medians_and_the_median_same_round_ratio() -> None:
+    # the peer is slow in round 2 as ours is: the paired ratios are 2, 2, 3 (median 2), while
+    # the ratio of the medians would be 200 / 100 = 2 only by chance of these numbers
+    results = {"shardserve": [{"output_throughput": 200.0}, {"output_throughput": 60.0},
+                              {"output_throughput": 300.0}],
+               "engine": [{"output_throughput": 100.0}, {"output_throughput": 30.0},
+                          {"output_throughput": 100.0}]}
+    rows = table(results).splitlines()
+    ours, engine = rows[1].split(), rows[2].split()
+    assert ours[1] == "200.0" and engine[1] == "100.0"
+    assert engine[-1] == "2.00x"
+
+
+def test_the_engine_peer_runs_bench_engine_on_the_loads_shape() -> None:
+    from benchmarks.datasets import load_tokenizer, random_requests
+    from replicas.embedded import EMBEDDED_MODEL_ID
+    from replicas.model_files import resolve_model_path
+
+    path = resolve_model_path(EMBEDDED_MODEL_ID)
+    tokenizer = load_tokenizer(str(path))
+    args = _args("--concurrency", "2", "--num-prompts", "3", "--num-warmups", "1",
+                 "--input-len", "12", "--output-len", "5", "--dtype", "float32")
+    requests = random_requests(4, 12, 5, tokenizer=tokenizer, seed=0)
+    result = engine_alone(path, requests, tokenizer, args)
+    assert result["completed"] == 3 and result["total_output_tokens"] == 15
+    assert result["output_throughput"] > 0 and result["decode_only_step_ms"] > 0
