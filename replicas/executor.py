@@ -3,6 +3,7 @@ actors placed in the replica's placement group at tp>1 (every rank computes; ran
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 from typing import Protocol
 
@@ -26,7 +27,7 @@ class Executor(Protocol):
 
 class InProcessExecutor:
     def __init__(self, config: WorkerConfig) -> None:
-        self.worker = ShardWorker(config)
+        self.worker = ShardWorker(dataclasses.replace(config, logits_on_device=True))
 
     def execute(self, step: StepInput) -> StepOutput:
         return self.worker.execute(step)  # type: ignore[return-value]  # rank 0 always answers

@@ -39,8 +39,9 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int,
-                 graphs: DecodeGraphs | None = None) -> None:
+                 graphs: DecodeGraphs | None = None, logits_on_device: bool = False) -> None:
         self.model = model
+        self.logits_on_device = logits_on_device
         self.graphs = graphs
         self.device = kv_cache.device
         self._workspace: torch.Tensor | None = None
@@ -126,7 +127,7 @@ class ModelRunner:
         sampled = [i for i, r in enumerate(rows) if r.sample]
         if len(sampled) < len(rows):
             logits = logits[sampled]
-        return StepOutput(logits.cpu(), (None,) * len(rows))
+        return StepOutput(self._sampled_logits(logits), (None,) * len(rows))
 
     @torch.no_grad()
     def execute(self, step: StepInput) -> StepOutput:
@@ -145,12 +146,18 @@ class ModelRunner:
                 sample_index.append(offset + n - 1)
             spans.append((offset, offset + n) if row.all_logits else None)
             offset += n
-        logits = self.model.compute_logits(hidden[sample_index]).float().cpu()
+        logits = self._sampled_logits(self.model.compute_logits(hidden[sample_index]).float())
         all_logits = tuple(
             None if span is None
             else self.model.compute_logits(hidden[span[0]:span[1]]).float().cpu()
             for span in spans)
         return StepOutput(logits, all_logits)
+
+
+    def _sampled_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        # on a GPU, sampling there moves B token ids to the host instead of B x vocab floats
+        # and runs the sampler's full-vocabulary ops as kernels rather than on host cores
+        return logits if self.logits_on_device else logits.cpu()
 
 
 def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:

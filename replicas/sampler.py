@@ -4,7 +4,11 @@ Order, as in vLLM: logprobs of the raw logits; then allowed-token masks, constra
 words, min-tokens EOS bans, logit bias, repetition/presence/frequency penalties, temperature,
 min-p, top-k, top-p; then one exponential race (argmax of p / q with q ~ Exp(1)) draws every row
 at once. Seeded rows draw their q from their own generator, so a seed gives the same tokens
-whatever else shares the batch."""
+whatever else shares the batch.
+
+The logits may live on the GPU (an in-process worker leaves them there): every tensor here is made
+on the logits' device and branch decisions are taken from the requests' parameters in Python, so
+a step syncs with the device once, for the chosen tokens."""
 
 from __future__ import annotations
 
@@ -23,27 +27,26 @@ class SamplerOutput:
     logprobs: list[TokenLogprob | None]
 
 
-def _token_counts(rows: list[list[int]], vocab: int) -> torch.Tensor:
+def _token_counts(rows: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0)
-    counts = torch.zeros(len(rows), vocab + 1)
+    counts = torch.zeros(len(rows), vocab + 1, device=device)
     if width == 0:
         return counts[:, :vocab]
-    ids = torch.full((len(rows), width), vocab, dtype=torch.long)  # pad into a spare column
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, : len(r)] = torch.tensor(r)
+    # padded into a spare column
+    ids = torch.tensor([r + [vocab] * (width - len(r)) for r in rows], device=device)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
     return counts[:, :vocab]
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    vocab = logits.shape[1]
-    out_counts = _token_counts([s.output_token_ids for s in seqs], vocab)
-    presence = torch.tensor([s.params.presence_penalty for s in seqs]).unsqueeze(1)
-    frequency = torch.tensor([s.params.frequency_penalty for s in seqs]).unsqueeze(1)
-    repetition = torch.tensor([s.params.repetition_penalty for s in seqs]).unsqueeze(1)
-    if (repetition != 1.0).any():
-        seen = _token_counts([s.token_ids for s in seqs], vocab) > 0
+    vocab, dev = logits.shape[1], logits.device
+    out_counts = _token_counts([list(s.output_token_ids) for s in seqs], vocab, dev)
+    presence = torch.tensor([s.params.presence_penalty for s in seqs], device=dev).unsqueeze(1)
+    frequency = torch.tensor([s.params.frequency_penalty for s in seqs], device=dev).unsqueeze(1)
+    if any(s.params.repetition_penalty != 1.0 for s in seqs):
+        repetition = torch.tensor([s.params.repetition_penalty for s in seqs],
+                                  device=dev).unsqueeze(1)
+        seen = _token_counts([list(s.token_ids) for s in seqs], vocab, dev) > 0
         penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
         logits.copy_(torch.where(seen, penalized, logits))
     logits -= frequency * out_counts + presence * (out_counts > 0)
@@ -72,8 +75,8 @@ def _allowed_only(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     for i, s in enumerate(seqs):
         allowed = s.params.allowed_token_ids
         if allowed is not None:
-            keep = torch.full((logits.shape[1],), _NEG_INF)
-            keep[list(allowed)] = 0.0
+            keep = torch.full((logits.shape[1],), _NEG_INF, device=logits.device)
+            keep[torch.tensor(list(allowed), device=logits.device)] = 0.0
             logits[i] += keep
 
 
@@ -85,22 +88,24 @@ def _logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
             cols.append(t)
             vals.append(b)
     if rows:
-        logits.index_put_((torch.tensor(rows), torch.tensor(cols)), torch.tensor(vals),
-                          accumulate=True)
+        dev = logits.device
+        logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                          torch.tensor(vals, device=dev), accumulate=True)
 
 
 def _top_k_top_p_min_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    vocab = logits.shape[1]
-    top_k = torch.tensor([s.params.top_k if s.params.top_k > 0 else vocab for s in seqs])
-    top_p = torch.tensor([s.params.top_p for s in seqs])
-    min_p = torch.tensor([s.params.min_p for s in seqs])
-    if (min_p > 0).any():
+    vocab, dev = logits.shape[1], logits.device
+    k = [s.params.top_k if 0 < s.params.top_k < vocab else vocab for s in seqs]
+    p = [s.params.top_p for s in seqs]
+    if any(s.params.min_p > 0 for s in seqs):
+        min_p = torch.tensor([s.params.min_p for s in seqs], device=dev)
         probs = logits.softmax(-1)
         threshold = probs.max(-1, keepdim=True).values * min_p.unsqueeze(1)
         logits = logits.masked_fill(probs < threshold, _NEG_INF)
-    if (top_k < vocab).any() or (top_p < 1.0).any():
+    if any(x < vocab for x in k) or any(x < 1.0 for x in p):
+        top_k, top_p = torch.tensor(k, device=dev), torch.tensor(p, device=dev)
         sorted_logits, order = logits.sort(-1, descending=True)
-        ranks = torch.arange(vocab).unsqueeze(0)
+        ranks = torch.arange(vocab, device=dev).unsqueeze(0)
         cut = ranks >= top_k.clamp(min=1).unsqueeze(1)
         probs = sorted_logits.softmax(-1)
         # drop a token when the tokens ranked above it already reach top_p (keeps at least one)
@@ -117,6 +122,10 @@ def compute_logprobs(raw_logprobs: torch.Tensor, token_ids: torch.Tensor,
     ranks = (raw_logprobs > chosen.unsqueeze(1)).sum(1) + 1
     k = max(top_n, default=0)
     top_vals, top_ids = (raw_logprobs.topk(k, dim=-1) if k else (None, None))
+    # to the host in one go: per-element reads of a GPU tensor would each sync
+    token_ids, chosen, ranks = token_ids.cpu(), chosen.cpu(), ranks.cpu()
+    if k:
+        top_vals, top_ids = top_vals.cpu(), top_ids.cpu()
     out = []
     for i, n in enumerate(top_n):
         top: tuple[tuple[int, float], ...] = ()
@@ -143,17 +152,21 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int],
     if any(s.params.needs_penalties for s in seqs):
         apply_penalties(logits, seqs)
 
-    greedy = torch.tensor([s.params.greedy for s in seqs])
+    dev = logits.device
     tokens = logits.argmax(-1)
-    if not greedy.all():
-        temps = torch.tensor([s.params.temperature if not s.params.greedy else 1.0 for s in seqs])
+    if not all(s.params.greedy for s in seqs):
+        greedy = torch.tensor([s.params.greedy for s in seqs], device=dev)
+        temps = torch.tensor([s.params.temperature if not s.params.greedy else 1.0 for s in seqs],
+                             device=dev)
         scaled = _top_k_top_p_min_p(logits / temps.unsqueeze(1), seqs)
         probs = scaled.softmax(-1)
         # q ~ Exp(1) as -log(U): several times faster on CPU than Tensor.exponential_
         q = torch.rand_like(probs)
         for i, s in enumerate(seqs):
             if s.generator is not None and not s.params.greedy:
-                q[i] = torch.rand(q.shape[1], generator=s.generator)
+                # a seeded row draws on the host from its own generator: the same seed gives
+                # the same draw whatever else shares the batch, on any device
+                q[i] = torch.rand(q.shape[1], generator=s.generator).to(dev)
         q = q.log_().neg_()
         sampled = (probs / q).argmax(-1)
         tokens = torch.where(greedy, tokens, sampled)

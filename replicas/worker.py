@@ -31,6 +31,9 @@ class WorkerConfig:
     max_num_seqs: int = 0
     max_model_len: int = 0
     cuda_graphs: bool = True
+    # the sampled rows' logits stay on the device for the sampler: only when the engine is in
+    # the same process (a shard actor's answer crosses Ray and must be on the host)
+    logits_on_device: bool = False
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -57,6 +60,10 @@ class ShardWorker:
             model = get_model_class(hf_config)(hf_config)
         finally:
             torch.set_default_dtype(previous)
+        if self.device.type == "cuda":
+            # cuDNN's SDPA builds an execution plan per new shape (a prefill row's length): ~2 ms
+            # a call and a prefill step of ~0.6 s on an H100; flash / memory-efficient need none
+            torch.backends.cuda.enable_cudnn_sdp(False)
         load_weights(model, Path(config.model_path), dtype)
         model.to(self.device).eval()
         head_dim = model.layers[0].self_attn.head_dim
@@ -73,7 +80,8 @@ class ShardWorker:
             decode_graphs = DecodeGraphs(
                 model, kv_cache, config.block_size, config.max_num_seqs,
                 -(-config.max_model_len // config.block_size), pad_block=config.num_blocks)
-        self.runner = ModelRunner(model, kv_cache, config.block_size, decode_graphs)
+        self.runner = ModelRunner(model, kv_cache, config.block_size, decode_graphs,
+                                  logits_on_device=config.logits_on_device)
 
     def execute(self, step: StepInput) -> StepOutput | None:
         out = self.runner.execute(step)
