@@ -180,7 +180,10 @@ def static_generate(path: Path, requests: list[BenchRequest], args: argparse.Nam
 def engine_alone(path: Path, requests: list[BenchRequest], tokenizer: Any,
                  args: argparse.Namespace) -> dict[str, Any]:
     """`bench engine` in a subprocess on this load's shape: as many sequences, prompts of the
-    templated prompts' mean token length, the same output length and concurrency."""
+    templated prompts' mean token length, the same output length and concurrency, and the
+    server's own defaults for the step's token budget and the KV cache."""
+    from serve_app.config import ModelConfig
+    defaults = ModelConfig.model_fields
     lens = [len(tokenizer.apply_chat_template(r.chat_messages(), tokenize=True,
                                               add_generation_prompt=True))
             for r in requests[args.num_warmups:]]
@@ -190,7 +193,9 @@ def engine_alone(path: Path, requests: list[BenchRequest], tokenizer: Any,
            "--num-seqs", str(len(lens)), "--min-input-len", str(prompt_len),
            "--max-input-len", str(prompt_len), "--min-output-len", str(args.output_len),
            "--max-output-len", str(args.output_len), "--max-num-seqs", str(args.concurrency),
-           "--dtype", args.dtype, "--result-json", str(out)]
+           "--dtype", args.dtype, "--result-json", str(out),
+           "--max-num-batched-tokens", str(defaults["max_num_batched_tokens"].default),
+           "--kv-cache-gib", str(defaults["kv_cache_gib"].default)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=3600)
     result = json.loads(out.read_text())
     out.unlink()

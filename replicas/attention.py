@@ -2,8 +2,9 @@
 
 The cache of one layer is `[kv_heads, slots, head_dim]` for K and for V. A kernel of
 `replicas.kernels` attends decode rows over it in place: native C on CPUs, Triton on GPUs.
-Elsewhere (no C compiler, no Triton) a row's blocks are gathered as rows of the 2-D view `[kv_heads * blocks, block_size * head_dim]`,
-which yields `[kv_heads, rows, keys, head_dim]`, already the layout the two matmuls want.
+Elsewhere (no C compiler, no Triton) a row's blocks are gathered as rows of the 2-D view
+`[kv_heads * blocks, block_size * head_dim]`, which yields `[kv_heads, rows, keys, head_dim]`,
+already the layout the two matmuls want.
 
 The model runner describes one step with `AttentionMetadata` (built once per step, shared by every
 layer): where each new token's K/V goes (`slot_mapping`) and, per row, which cache slots form its

@@ -153,7 +153,6 @@ class ModelRunner:
             for span in spans)
         return StepOutput(logits, all_logits)
 
-
     def _sampled_logits(self, logits: torch.Tensor) -> torch.Tensor:
         # on a GPU, sampling there moves B token ids to the host instead of B x vocab floats
         # and runs the sampler's full-vocabulary ops as kernels rather than on host cores

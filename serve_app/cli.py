@@ -150,12 +150,12 @@ def serve_main(args: argparse.Namespace) -> int:
     def _stop(*_: Any) -> None:
         nonlocal stop
         stop = True
-    signal.signal(signal.SIGTERM, _stop)
-    try:
-        while not stop:
-            time.sleep(1)
-    except KeyboardInterrupt:
-        pass
+    # SIGINT too: a shell starts background jobs with SIGINT ignored, which Python keeps, so
+    # `kill -INT` (or Ctrl-C after `fg`) would otherwise never reach a KeyboardInterrupt
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stop)
+    while not stop:
+        time.sleep(1)
     serve.shutdown()
     return 0
 

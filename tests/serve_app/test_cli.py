@@ -1,5 +1,6 @@
 """`shardserve serve` as a user runs it: its own Ray, HAProxy in front, ready when it says so,
-gone (HAProxy included) after SIGTERM."""
+gone (HAProxy included) after SIGINT, even started as a shell starts a background job (SIGINT
+ignored); SIGTERM goes to the same handler."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def test_serve_behind_haproxy_answers_then_stops_cleanly() -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "serve_app.cli", "serve", "--port", str(port), "--num-cpus", "4",
          "--kv-cache-gib", "0.05", "--max-model-len", "512", "--num-threads", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         deadline = time.monotonic() + 120
         lines = []
@@ -52,7 +54,7 @@ def test_serve_behind_haproxy_answers_then_stops_cleanly() -> None:
         chunks = [c for c in stream if c.choices and c.choices[0].delta.content]
         assert 1 <= len(chunks) <= 5
     finally:
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGINT)
         try:
             rc = proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
