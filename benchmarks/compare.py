@@ -184,9 +184,10 @@ def engine_alone(path: Path, requests: list[BenchRequest], tokenizer: Any,
     server's own defaults for the step's token budget and the KV cache."""
     from serve_app.config import ModelConfig
     defaults = ModelConfig.model_fields
-    lens = [len(tokenizer.apply_chat_template(r.chat_messages(), tokenize=True,
-                                              add_generation_prompt=True))
-            for r in requests[args.num_warmups:]]
+    texts = [tokenizer.apply_chat_template(r.chat_messages(), tokenize=False,
+                                           add_generation_prompt=True)
+             for r in requests[args.num_warmups:]]
+    lens = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
     prompt_len = round(sum(lens) / len(lens))
     out = Path(f"/tmp/bench-compare-engine-{os.getpid()}.json")
     cmd = [sys.executable, "-m", "serve_app.cli", "bench", "engine", "--model", str(path),
@@ -201,7 +202,7 @@ def engine_alone(path: Path, requests: list[BenchRequest], tokenizer: Any,
     out.unlink()
     return {"output_throughput": result["output_tokens_per_s"], "duration": result["elapsed_s"],
             "total_output_tokens": result["output_tokens"], "completed": result["num_seqs"],
-            "decode_only_step_ms": result["decode_only_step_ms"]}
+            "decode_only_step_ms": result["decode_only_step_ms"], "prompt_len": prompt_len}
 
 
 def run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:

@@ -66,3 +66,5 @@ def test_the_engine_peer_runs_bench_engine_on_the_loads_shape() -> None:
     result = engine_alone(path, requests, tokenizer, args)
     assert result["completed"] == 3 and result["total_output_tokens"] == 15
     assert result["output_throughput"] > 0 and result["decode_only_step_ms"] > 0
+    # the chat template wraps each 12-token prompt: the engine gets at least that many tokens
+    assert 12 < result["prompt_len"] < 60
