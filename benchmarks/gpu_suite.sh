@@ -19,11 +19,11 @@ port=${PORT:-8123}
 for model in "${models[@]}"; do
   name=$(basename "$model")
   if [ -z "${SKIP_ENGINE:-}" ]; then
-  echo "=== bench engine $model"
-  timeout 600 "${CLI[@]}" bench engine --model "$model" --kv-cache-gib 16 \
-    --result-json "$OUT/engine-$name.json" > "$OUT/engine-$name.txt" 2>&1
-  grep -E "output_tokens_per_s|decode_only_step_ms|roofline_decode|elapsed_s|device" \
-    "$OUT/engine-$name.txt"
+    echo "=== bench engine $model"
+    timeout 600 "${CLI[@]}" bench engine --model "$model" --kv-cache-gib 16 \
+      --result-json "$OUT/engine-$name.json" > "$OUT/engine-$name.txt" 2>&1
+    grep -E "output_tokens_per_s|decode_only_step_ms|roofline_decode|elapsed_s|device" \
+      "$OUT/engine-$name.txt"
   fi
 
   echo "=== bench serve $model"
