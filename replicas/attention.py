@@ -48,6 +48,18 @@ class AttentionMetadata:
     decode_v_buffer: torch.Tensor | None = None
 
 
+def gather_fields(tables: torch.Tensor, lens: torch.Tensor, head_offsets: torch.Tensor,
+                  block_size: int, k_buffer: torch.Tensor | None,
+                  v_buffer: torch.Tensor | None) -> dict[str, torch.Tensor | None]:
+    """The torch path's decode fields of `AttentionMetadata`, on the tables' device: tables
+    [Bd, nb], lens [Bd], head_offsets [Hkv, 1] (each KV head's first row of the 2-D view)."""
+    keys = tables.shape[1] * block_size
+    mask = torch.arange(keys, device=tables.device).unsqueeze(0) < lens.unsqueeze(1)
+    return {"decode_gather_index": (head_offsets + tables.flatten()).flatten(),
+            "decode_mask": mask[:, None, None, :],
+            "decode_k_buffer": k_buffer, "decode_v_buffer": v_buffer}
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     stored: bool = False) -> torch.Tensor:

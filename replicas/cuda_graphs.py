@@ -17,7 +17,7 @@ import bisect
 import torch
 
 from replicas import kernels
-from replicas.attention import AttentionMetadata
+from replicas.attention import AttentionMetadata, gather_fields
 
 BatchSizes = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
@@ -46,7 +46,8 @@ class DecodeGraphs:
         self.lens = torch.ones(max_batch, **long)
         kv_heads, slots, dim = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
         self.native = kernels.supports_paged_decode(kv_cache.dtype, dev)
-        self.head_offsets = (torch.arange(kv_heads, device=dev) * (slots // block_size))
+        heads = torch.arange(kv_heads, device=dev)
+        self.head_offsets = (heads * (slots // block_size)).unsqueeze(1)
         # the torch path's gather target; the Triton kernel reads the cache in place
         self.workspace = (None if self.native else
                           torch.empty(2, kv_heads * max_batch * max_blocks * block_size * dim,
@@ -62,20 +63,14 @@ class DecodeGraphs:
         captured graph recomputes it from whatever the buffers hold at replay."""
         tables = self.tables[:b, :w]
         lens = self.lens[:b]
-        if self.native:
-            return AttentionMetadata(
-                self.slot_mapping[:b], (), self.block_size,
-                decode_token_index=torch.arange(b, device=self.device),
-                decode_block_tables=tables, decode_context_lens=lens, native_decode=True)
-        index = (self.head_offsets.unsqueeze(1) + tables.flatten()).flatten()
-        mask = (torch.arange(w * self.block_size, device=self.device).unsqueeze(0)
-                < lens.unsqueeze(1))[:, None, None, :]
+        gather = {} if self.native else gather_fields(
+            tables, lens, self.head_offsets, self.block_size, self.workspace[0],
+            self.workspace[1])
         return AttentionMetadata(
             self.slot_mapping[:b], (), self.block_size,
             decode_token_index=torch.arange(b, device=self.device),
-            decode_block_tables=tables, decode_context_lens=lens, native_decode=False,
-            decode_gather_index=index, decode_mask=mask,
-            decode_k_buffer=self.workspace[0], decode_v_buffer=self.workspace[1])
+            decode_block_tables=tables, decode_context_lens=lens, native_decode=self.native,
+            **gather)
 
     def _forward(self, b: int, w: int) -> torch.Tensor:
         hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_cache,

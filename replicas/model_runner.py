@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from replicas import kernels
-from replicas.attention import AttentionMetadata, PrefillRow
+from replicas.attention import AttentionMetadata, PrefillRow, gather_fields
 from replicas.cuda_graphs import DecodeGraphs
 
 
@@ -92,10 +92,7 @@ class ModelRunner:
                 heads = torch.arange(kv_heads).unsqueeze(1) * (slots // bs)
                 k_buf, v_buf = self._gather_buffers(kv_heads * tables.numel() * bs
                                                     * self.kv_cache.shape[4])
-                decode |= {"decode_gather_index": (heads + tables.flatten()).flatten(),
-                           "decode_mask": (torch.arange(width * bs).unsqueeze(0)
-                                           < lens.unsqueeze(1))[:, None, None, :],
-                           "decode_k_buffer": k_buf, "decode_v_buffer": v_buf}
+                decode |= gather_fields(tables, lens, heads, bs, k_buf, v_buf)
         meta = AttentionMetadata(torch.tensor(slot_mapping), tuple(prefill), self.block_size,
                                  **decode)
         if self.device.type != "cpu":
