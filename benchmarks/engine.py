@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from benchmarks.step import sync, torch_device_name
 from replicas.embedded import BENCH_MODEL_ID
 
 if TYPE_CHECKING:  # the CLI builds its parser without importing torch, Ray or the engine
@@ -52,24 +53,17 @@ def roofline_step_s(server: LLMServer, batch: int, repeats: int = 5) -> float:
     device = weights[0].device
     x = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype, device=device)
          for w in weights}
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for w in weights:  # warm-up
         torch.nn.functional.linear(x[w.shape[1]], w)
     best = float("inf")
     for _ in range(repeats):
-        sync()
+        sync(device)
         t = time.perf_counter()
         for w in weights:
             torch.nn.functional.linear(x[w.shape[1]], w)
-        sync()
+        sync(device)
         best = min(best, time.perf_counter() - t)
     return best
-
-
-def _device_name(server: LLMServer) -> str:
-    import torch
-    device = server.engine.executor.worker.runner.device  # type: ignore[attr-defined]
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 async def _run(server: LLMServer, reqs: list[GenerateRequest]) -> float:
@@ -129,7 +123,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "roofline_decode_tokens_per_s": batch / roof,
         "single_stream_pass_ms": single * 1e3,
         "threads": torch.get_num_threads(),
-        "device": _device_name(server),
+        "device": torch_device_name(
+            server.engine.executor.worker.runner.device),  # type: ignore[attr-defined]
     }
     result["fraction_of_roofline"] = result["output_tokens_per_s"] / result[
         "roofline_decode_tokens_per_s"]

@@ -27,7 +27,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--result-json", type=Path)
 
 
-def _sync(device: Any) -> None:
+def sync(device: Any) -> None:
     import torch
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -41,10 +41,10 @@ def copy_bandwidth(device: Any, gib: float = 1.0) -> float:
     b = torch.empty_like(a)
     best = float("inf")
     for _ in range(6):
-        _sync(device)
+        sync(device)
         t = time.perf_counter()
         b.copy_(a)
-        _sync(device)
+        sync(device)
         best = min(best, time.perf_counter() - t)
     return 2 * a.numel() * a.element_size() / best
 
@@ -81,12 +81,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         step = StepInput(tuple(RowInput((5,), args.context, tables[i], True) for i in range(b)))
         for _ in range(3):
             worker.execute(step)
-        _sync(device)
+        sync(device)
         times = []
         for _ in range(args.repeats):
             t = time.perf_counter()
             worker.execute(step)
-            _sync(device)
+            sync(device)
             times.append(time.perf_counter() - t)
         times.sort()
         # reading each weight once and each row's cache once, at the copy's rate (read+write
