@@ -139,13 +139,20 @@ def _serve_cmd(peer: str, args: argparse.Namespace, path: Path, port: int) -> li
     raise ValueError(f"unknown peer {peer!r}")
 
 
+def split_warmups(requests: list[BenchRequest], num_warmups: int
+                  ) -> tuple[list[BenchRequest], list[BenchRequest]]:
+    """(warm-up requests, measured requests): every peer measures the same `--num-prompts`."""
+    return requests[:num_warmups], requests[num_warmups:]
+
+
 async def _load(base: str, model: str, requests: list[BenchRequest],
                 args: argparse.Namespace, ignore_eos: bool) -> dict[str, Any]:
     config = ClientConfig(base_url=base, model=model, ignore_eos=ignore_eos)
+    warmups, measured = split_warmups(requests, args.num_warmups)
     async with StreamingClient(config) as client:
-        run = await run_benchmark(client.send, requests, RunSettings(
-            max_concurrency=args.concurrency, num_warmups=args.num_warmups, seed=args.seed,
-            show_progress=False), warmup_requests=requests[: args.num_warmups])
+        run = await run_benchmark(client.send, measured, RunSettings(
+            max_concurrency=args.concurrency, num_warmups=len(warmups), seed=args.seed,
+            show_progress=False), warmup_requests=warmups)
     return run.metrics.to_summary()
 
 
@@ -186,7 +193,7 @@ def engine_alone(path: Path, requests: list[BenchRequest], tokenizer: Any,
     defaults = ModelConfig.model_fields
     texts = [tokenizer.apply_chat_template(r.chat_messages(), tokenize=False,
                                            add_generation_prompt=True)
-             for r in requests[args.num_warmups:]]
+             for r in split_warmups(requests, args.num_warmups)[1]]
     lens = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
     prompt_len = round(sum(lens) / len(lens))
     out = Path(f"/tmp/bench-compare-engine-{os.getpid()}.json")
@@ -228,7 +235,7 @@ def run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
 def _one(peer: str, path: Path, requests: list[BenchRequest], tokenizer: Any,
          args: argparse.Namespace) -> dict[str, Any]:
     if peer == "transformers-generate":
-        return static_generate(path, requests[args.num_warmups:], args)
+        return static_generate(path, split_warmups(requests, args.num_warmups)[1], args)
     if peer == "engine":
         return engine_alone(path, requests, tokenizer, args)
     port = _free_port()

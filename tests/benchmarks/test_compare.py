@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.compare import _serve_cmd, _variants, add_cli_args, engine_alone, table
+from benchmarks.compare import (_serve_cmd, _variants, add_cli_args, engine_alone, split_warmups,
+                                table)
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -26,6 +27,16 @@ def test_variants_run_shardserve_with_their_flags() -> None:
     assert variant[-2:] == ["--stream-interval", "4"] and "--num-threads" not in variant
     with pytest.raises(ValueError, match="NAME=FLAGS"):
         _variants(_args("--shardserve-variant", "no-equals-sign"))
+
+
+def test_warmups_are_not_measured() -> None:
+    # every peer measures the same --num-prompts requests; the served peers once also measured
+    # the warm-ups, whose stragglers ran almost alone at the end and cut their throughput
+    from benchmarks.datasets import random_requests
+    requests = random_requests(66, 16, 8, seed=0)
+    warmups, measured = split_warmups(requests, 2)
+    assert len(warmups) == 2 and len(measured) == 64
+    assert not {id(r) for r in warmups} & {id(r) for r in measured}
 
 
 def test_table_has_a_ratio_column_per_shardserve_run() -> None:
