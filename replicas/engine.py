@@ -3,7 +3,7 @@
 Requests join between steps and leave the moment they finish. Each step: schedule under the token
 budget, run one batched forward (off the event loop, so new requests and outputs keep flowing), sample
 the rows whose last token is new, apply stop rules, and push each choice's new tokens to its
-request's queue as a `TokenBatch`. Knows nothing of text: token ids in, token ids out."""
+request's outbox as a `TokenBatch`. Knows nothing of text: token ids in, token ids out."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from replicas.executor import Executor
 from structured import bitmask as bitmask_lib
 from replicas.kv_cache import BlockManager
 from replicas.model_runner import RowInput, StepInput, StepOutput
+from replicas.outbox import Outbox
 from replicas.request import (EngineError, GenerateRequest, Sequence, SequenceStatus, TokenBatch,
                               TokenLogprob)
 from replicas.sampler import SamplerOutput, compute_logprobs, sample
@@ -84,15 +85,14 @@ class Engine:
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
         self._requests: dict[str, list[Sequence]] = {}
-        self._queues: dict[str, asyncio.Queue[TokenBatch | BaseException]] = {}
+        self._outboxes: dict[str, Outbox] = {}
         self._aborted: set[str] = set()
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self.failed: str | None = None  # set when a step fails: the shards may be gone
 
     # ---- requests in and out -------------------------------------------------------------------
-    def add(self, request: GenerateRequest,
-            compiled: Any = None) -> asyncio.Queue[TokenBatch | BaseException]:
+    def add(self, request: GenerateRequest, compiled: Any = None) -> Outbox:
         """Queues a request; `compiled` (a structured.compiler.Compiled) when it is constrained."""
         if self.failed is not None:
             raise EngineError(f"the model replica failed and is being replaced: {self.failed}",
@@ -130,11 +130,11 @@ class Engine:
                 seq.constraint_after = request.constraint_after
             seqs.append(seq)
             self.scheduler.add(seq)
-        queue: asyncio.Queue[TokenBatch | BaseException] = asyncio.Queue()
+        outbox = Outbox()
         self._requests[request.request_id] = seqs
-        self._queues[request.request_id] = queue
+        self._outboxes[request.request_id] = outbox
         self._wakeup.set()
-        return queue
+        return outbox
 
     def _build_processors(self, request: GenerateRequest) -> list[Any]:
         out = []
@@ -222,15 +222,15 @@ class Engine:
         for request_id in self._aborted:
             for seq in self._requests.pop(request_id, []):
                 self.scheduler.remove(seq)
-            self._queues.pop(request_id, None)
+            self._outboxes.pop(request_id, None)
         self._aborted.clear()
 
     def _fail(self, request_id: str, exc: BaseException) -> None:
-        queue = self._queues.pop(request_id, None)
+        outbox = self._outboxes.pop(request_id, None)
         for seq in self._requests.pop(request_id, []):
             self.scheduler.remove(seq)
-        if queue is not None:
-            queue.put_nowait(exc)
+        if outbox is not None:
+            outbox.put(exc)
 
     def _step_input(self, scheduled: list[ScheduledSeq]) -> StepInput:
         rows = []
@@ -353,16 +353,17 @@ class Engine:
             self.scheduler.remove(seq)
 
     def _emit(self, seq: Sequence, tokens: tuple[int, ...], lp: TokenLogprob | None) -> None:
-        queue = self._queues.get(seq.request_id)
-        if queue is None:
+        outbox = self._outboxes.get(seq.request_id)
+        if outbox is None:
             return
         first = seq.num_output_tokens == len(tokens)
-        queue.put_nowait(TokenBatch(
+        outbox.put(TokenBatch(
             seq.choice_index, tokens, None if lp is None else (lp,), seq.finish_reason,
             seq.stop_reason, seq.num_prompt_tokens, seq.num_cached_tokens if first else 0,
-            tuple(seq.prompt_logprobs) if first and seq.prompt_logprobs is not None else None))
+            tuple(seq.prompt_logprobs) if first and seq.prompt_logprobs is not None else None),
+            urgent=first or seq.is_finished)
         if seq.is_finished:
             seqs = self._requests.get(seq.request_id, [])
             if all(s.is_finished for s in seqs):
                 self._requests.pop(seq.request_id, None)
-                self._queues.pop(seq.request_id, None)
+                self._outboxes.pop(seq.request_id, None)

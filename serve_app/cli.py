@@ -37,6 +37,11 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--stream-interval", type=int,
                    help="tokens per streamed message after the first (default 1: every token); "
                         "larger values cut per-token serving overhead")
+    p.add_argument("--stream-messages-per-s", type=float,
+                   help="a replica's budget of streamed messages per second, shared by its "
+                        "running requests: under load each request's tokens are grouped so "
+                        "it waits at least running/budget s between messages (default 500; "
+                        "0: one message per token, whatever the load)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode steps (used on CUDA at tensor-parallel size 1)")
     p.add_argument("--no-prefix-caching", action="store_true")
@@ -65,6 +70,7 @@ def config_from_args(args: argparse.Namespace):
                   "max_num_batched_tokens": args.max_num_batched_tokens,
                   "block_size": args.block_size, "num_threads": args.num_threads,
                   "stream_interval": args.stream_interval,
+                  "stream_messages_per_s": args.stream_messages_per_s,
                   "enforce_eager": args.enforce_eager or None}
     model = {k: v for k, v in model_keys.items() if v is not None}
     if args.no_prefix_caching:

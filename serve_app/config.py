@@ -52,6 +52,8 @@ class ModelConfig(BaseModel):
     structured_timeout_s: float = Field(10.0, gt=0)  # the compile limit of one constraint
     # tokens per streamed message after the first (vLLM's --stream-interval); 1: every token
     stream_interval: int = Field(1, ge=1)
+    # the replica's streamed messages per second, shared by its running requests (0: no limit)
+    stream_messages_per_s: float = Field(500.0, ge=0)
     enforce_eager: bool = False
 
     @property
@@ -62,6 +64,7 @@ class ModelConfig(BaseModel):
         return ReplicaConfig(
             logits_processors=tuple(logits_processors or ()),
             structured_timeout_s=self.structured_timeout_s, stream_interval=self.stream_interval,
+            stream_messages_per_s=self.stream_messages_per_s,
             enforce_eager=self.enforce_eager,
             model=self.model, max_model_len=self.max_model_len, dtype=self.dtype,
             tensor_parallel_size=self.tensor_parallel_size, block_size=self.block_size,

@@ -185,12 +185,14 @@ async def test_preemption_by_recompute_keeps_outputs_exact() -> None:
 async def test_stream_interval_sends_first_token_alone_then_groups(server: LLMServer) -> None:
     prompt = _prompts(1, seed=7)[0]
     params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
-    every = await _collect(server, GenerateRequest("si-1", prompt, params))
-    server.config = dataclasses.replace(server.config, stream_interval=4)
+    base = server.config
+    server.config = dataclasses.replace(base, stream_messages_per_s=0.0)
     try:
+        every = await _collect(server, GenerateRequest("si-1", prompt, params))
+        server.config = dataclasses.replace(base, stream_interval=4, stream_messages_per_s=0.0)
         grouped = await _collect(server, GenerateRequest("si-4", prompt, params, n=1))
     finally:
-        server.config = dataclasses.replace(server.config, stream_interval=1)
+        server.config = base
     sizes = [len(b.token_ids) for b in grouped[0]]
     assert [len(b.token_ids) for b in every[0]] == [1] * 14
     # the first token at once (TTFT), then groups of at least 4, the finish whenever it comes
@@ -199,3 +201,28 @@ async def test_stream_interval_sends_first_token_alone_then_groups(server: LLMSe
     assert _tokens(grouped[0]) == _tokens(every[0])
     assert grouped[0][-1].finish_reason == "length"
     assert grouped[0][0].num_prompt_tokens == len(prompt)
+
+
+async def test_message_budget_groups_tokens_under_load(server: LLMServer) -> None:
+    # 4 requests sharing a budget of 8 messages/s: each waits >= 0.5 s between messages, far
+    # longer than a step of the embedded model, so after the first token they come grouped
+    prompts = _prompts(4, seed=11)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    base = server.config
+    try:
+        server.config = dataclasses.replace(base, stream_messages_per_s=0.0)
+        every = await asyncio.gather(*(_collect(server, GenerateRequest(f"mb-a{i}", p, params))
+                                       for i, p in enumerate(prompts)))
+        server.config = dataclasses.replace(base, stream_messages_per_s=8.0)
+        budgeted = await asyncio.gather(*(_collect(server, GenerateRequest(f"mb-b{i}", p, params))
+                                          for i, p in enumerate(prompts)))
+    finally:
+        server.config = base
+    for alone, grouped in zip(every, budgeted):
+        assert [len(b.token_ids) for b in alone[0]] == [1] * 24
+        sizes = [len(b.token_ids) for b in grouped[0]]
+        assert sizes[0] == 1 and sum(sizes) == 24 and len(sizes) < 12
+        assert _tokens(grouped[0]) == _tokens(alone[0])
+        assert grouped[0][-1].finish_reason == "length"
+
+
