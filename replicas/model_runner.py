@@ -7,12 +7,19 @@ rows that asked for prompt logprobs)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 import torch
 
 from replicas import kernels
-from replicas.attention import AttentionMetadata, PrefillRow, gather_fields
+from replicas.attention import (
+    AttentionMetadata,
+    PrefillRow,
+    VarlenPrefill,
+    gather_fields,
+    supports_varlen_prefill,
+)
 from replicas.cuda_graphs import DecodeGraphs
 
 
@@ -48,6 +55,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.native_decode = kernels.supports_paged_decode(kv_cache.dtype, kv_cache.device)
+        self.varlen_prefill = supports_varlen_prefill(kv_cache.dtype, kv_cache.device)
 
     def _slots(self, block_table: tuple[int, ...], start: int, end: int) -> list[int]:
         # plain ints: for the one or few slots of a decode row, cheaper than building tensors
@@ -62,6 +70,8 @@ class ModelRunner:
         decode_tables: list[tuple[int, ...]] = []
         decode_lens: list[int] = []
         prefill: list[PrefillRow] = []
+        kv_slots: list[int] = []
+        cu_k = [0]
         for row in step.rows:
             n = len(row.token_ids)
             offset = len(ids)
@@ -72,6 +82,11 @@ class ModelRunner:
                 decode_index.append(offset)
                 decode_tables.append(row.block_table)
                 decode_lens.append(row.start + 1)
+            elif self.varlen_prefill:
+                kv_slots.extend(self._slots(row.block_table, 0, row.start))
+                kv_slots.extend(slot_mapping[-n:])
+                cu_k.append(len(kv_slots))
+                prefill.append(PrefillRow(offset, offset + n, None))
             else:
                 ctx = (None if row.start == 0
                        else torch.tensor(self._slots(row.block_table, 0, row.start + n)))
@@ -93,6 +108,16 @@ class ModelRunner:
                 k_buf, v_buf = self._gather_buffers(kv_heads * tables.numel() * bs
                                                     * self.kv_cache.shape[4])
                 decode |= gather_fields(tables, lens, heads, bs, k_buf, v_buf)
+        if prefill and self.varlen_prefill:
+            cu_q = [0]
+            for r in prefill:
+                cu_q.append(cu_q[-1] + r.end - r.start)
+            decode["prefill_varlen"] = VarlenPrefill(
+                torch.tensor([i for r in prefill for i in range(r.start, r.end)]),
+                torch.tensor(kv_slots), torch.tensor(cu_q, dtype=torch.int32),
+                torch.tensor(cu_k, dtype=torch.int32),
+                max(r.end - r.start for r in prefill),
+                max(b - a for a, b in itertools.pairwise(cu_k)))
         meta = AttentionMetadata(torch.tensor(slot_mapping), tuple(prefill), self.block_size,
                                  **decode)
         if self.device.type != "cpu":
@@ -162,5 +187,10 @@ def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetada
     rows = tuple(PrefillRow(r.start, r.end, move(r.context_slots)) for r in meta.prefill_rows)
     tensors = {f.name: move(getattr(meta, f.name)) for f in dataclasses.fields(meta)
                if f.name.startswith("decode_") and not f.name.endswith("_buffer")}
+    pv = meta.prefill_varlen
+    if pv is not None:
+        tensors["prefill_varlen"] = dataclasses.replace(
+            pv, token_index=move(pv.token_index), kv_slots=move(pv.kv_slots), cu_q=move(pv.cu_q),
+            cu_k=move(pv.cu_k))
     return dataclasses.replace(meta, slot_mapping=move(meta.slot_mapping), prefill_rows=rows,
                                **tensors)
