@@ -40,8 +40,9 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--stream-messages-per-s", type=float,
                    help="a replica's budget of streamed messages per second, shared by its "
                         "running requests: under load each request's tokens are grouped so "
-                        "it waits at least running/budget s between messages (default 500; "
-                        "0: one message per token, whatever the load)")
+                        "it waits at least running/budget s between messages (default 500 "
+                        "where the model runs on GPUs, 150 on CPUs; 0: one message per token, "
+                        "whatever the load)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode steps (used on CUDA at tensor-parallel size 1)")
     p.add_argument("--no-prefix-caching", action="store_true")

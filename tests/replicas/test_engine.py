@@ -8,6 +8,7 @@ import dataclasses
 import random
 
 import pytest
+import torch
 
 from replicas.deployment import LLMServer, ReplicaConfig
 from replicas.embedded import EMBEDDED_MODEL_ID
@@ -218,6 +219,9 @@ async def test_message_budget_groups_tokens_under_load(server: LLMServer) -> Non
                                           for i, p in enumerate(prompts)))
     finally:
         server.config = base
+    # unset, the budget follows where the model runs (this server's model: CPU unless CUDA)
+    assert base.stream_messages_per_s is None
+    assert server.default_stream_budget == (500.0 if torch.cuda.is_available() else 150.0)
     for alone, grouped in zip(every, budgeted):
         assert [len(b.token_ids) for b in alone[0]] == [1] * 24
         sizes = [len(b.token_ids) for b in grouped[0]]
