@@ -91,7 +91,7 @@ class ModelRunner:
                 ctx = (None if row.start == 0
                        else torch.tensor(self._slots(row.block_table, 0, row.start + n)))
                 prefill.append(PrefillRow(offset, offset + n, ctx))
-        decode: dict = {}
+        fields: dict = {}  # AttentionMetadata fields beyond the slot mapping
         if decode_index:
             bs = self.block_size
             # only the blocks a row's context reaches: tables may hold blocks reserved ahead
@@ -99,7 +99,7 @@ class ModelRunner:
             tables = torch.tensor([t[:width] + (0,) * (width - len(t[:width]))
                                    for t in decode_tables])
             lens = torch.tensor(decode_lens)
-            decode = {"decode_token_index": torch.tensor(decode_index),
+            fields = {"decode_token_index": torch.tensor(decode_index),
                       "decode_block_tables": tables, "decode_context_lens": lens,
                       "native_decode": self.native_decode}
             if not self.native_decode:
@@ -107,19 +107,19 @@ class ModelRunner:
                 heads = torch.arange(kv_heads).unsqueeze(1) * (slots // bs)
                 k_buf, v_buf = self._gather_buffers(kv_heads * tables.numel() * bs
                                                     * self.kv_cache.shape[4])
-                decode |= gather_fields(tables, lens, heads, bs, k_buf, v_buf)
+                fields |= gather_fields(tables, lens, heads, bs, k_buf, v_buf)
         if prefill and self.varlen_prefill:
             cu_q = [0]
             for r in prefill:
                 cu_q.append(cu_q[-1] + r.end - r.start)
-            decode["prefill_varlen"] = VarlenPrefill(
+            fields["prefill_varlen"] = VarlenPrefill(
                 torch.tensor([i for r in prefill for i in range(r.start, r.end)]),
                 torch.tensor(kv_slots), torch.tensor(cu_q, dtype=torch.int32),
                 torch.tensor(cu_k, dtype=torch.int32),
                 max(r.end - r.start for r in prefill),
                 max(b - a for a, b in itertools.pairwise(cu_k)))
         meta = AttentionMetadata(torch.tensor(slot_mapping), tuple(prefill), self.block_size,
-                                 **decode)
+                                 **fields)
         if self.device.type != "cpu":
             meta = _to_device(meta, self.device)
         return (torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
