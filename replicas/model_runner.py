@@ -70,8 +70,10 @@ class ModelRunner:
         decode_tables: list[tuple[int, ...]] = []
         decode_lens: list[int] = []
         prefill: list[PrefillRow] = []
+        # varlen prefill: the prefill rows' flat positions and their contexts' cache slots
+        prefill_index: list[int] = []
         kv_slots: list[int] = []
-        cu_k = [0]
+        cu_q, cu_k = [0], [0]
         for row in step.rows:
             n = len(row.token_ids)
             offset = len(ids)
@@ -83,6 +85,8 @@ class ModelRunner:
                 decode_tables.append(row.block_table)
                 decode_lens.append(row.start + 1)
             elif self.varlen_prefill:
+                prefill_index.extend(range(offset, offset + n))
+                cu_q.append(len(prefill_index))
                 kv_slots.extend(self._slots(row.block_table, 0, row.start))
                 kv_slots.extend(slot_mapping[-n:])
                 cu_k.append(len(kv_slots))
@@ -108,15 +112,11 @@ class ModelRunner:
                 k_buf, v_buf = self._gather_buffers(kv_heads * tables.numel() * bs
                                                     * self.kv_cache.shape[4])
                 fields |= gather_fields(tables, lens, heads, bs, k_buf, v_buf)
-        if prefill and self.varlen_prefill:
-            cu_q = [0]
-            for r in prefill:
-                cu_q.append(cu_q[-1] + r.end - r.start)
+        if prefill_index:
             fields["prefill_varlen"] = VarlenPrefill(
-                torch.tensor([i for r in prefill for i in range(r.start, r.end)]),
-                torch.tensor(kv_slots), torch.tensor(cu_q, dtype=torch.int32),
-                torch.tensor(cu_k, dtype=torch.int32),
-                max(r.end - r.start for r in prefill),
+                torch.tensor(prefill_index), torch.tensor(kv_slots),
+                torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32),
+                max(b - a for a, b in itertools.pairwise(cu_q)),
                 max(b - a for a, b in itertools.pairwise(cu_k)))
         meta = AttentionMetadata(torch.tensor(slot_mapping), tuple(prefill), self.block_size,
                                  **fields)
