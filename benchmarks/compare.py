@@ -33,9 +33,10 @@ from typing import Any
 
 import httpx
 
-from benchmarks.client import ClientConfig, StreamingClient
+from benchmarks.client import ClientConfig
+from benchmarks.client_processes import auto_num_clients
 from benchmarks.datasets import BenchRequest, load_tokenizer, random_requests
-from benchmarks.serve import RunSettings, run_benchmark
+from benchmarks.serve import RunSettings, run_load
 
 PEERS = ("shardserve", "transformers-serve", "transformers-generate", "llama-server", "engine")
 
@@ -149,10 +150,9 @@ async def _load(base: str, model: str, requests: list[BenchRequest],
                 args: argparse.Namespace, ignore_eos: bool) -> dict[str, Any]:
     config = ClientConfig(base_url=base, model=model, ignore_eos=ignore_eos)
     warmups, measured = split_warmups(requests, args.num_warmups)
-    async with StreamingClient(config) as client:
-        run = await run_benchmark(client.send, measured, RunSettings(
-            max_concurrency=args.concurrency, num_warmups=len(warmups), seed=args.seed,
-            show_progress=False), warmup_requests=warmups)
+    run = await run_load(config, measured, RunSettings(
+        max_concurrency=args.concurrency, num_warmups=len(warmups), seed=args.seed,
+        show_progress=False), warmups, auto_num_clients(args.concurrency, len(measured)))
     return run.metrics.to_summary()
 
 

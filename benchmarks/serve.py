@@ -23,6 +23,7 @@ from tqdm import tqdm
 from benchmarks import datasets
 from benchmarks.arrivals import send_offsets
 from benchmarks.client import ClientConfig, StreamingClient, first_model
+from benchmarks.client_processes import auto_num_clients, run_shares, split
 from benchmarks.datasets import BenchRequest
 from benchmarks.metrics import DEFAULT_PERCENTILES, BenchmarkMetrics, compute_metrics, parse_goodput, parse_percentiles
 from benchmarks.records import RequestOutcome
@@ -94,22 +95,59 @@ async def run_benchmark(
     A request waiting for a concurrency slot is not yet timed (its latency starts when ``send``
     starts), as in vllm. Duration runs from the first dispatch to the last completion.
     """
+    _check(requests, settings)
+    await warm_up(send, warmup_requests or requests, settings.num_warmups, settings.max_concurrency)
+
+    progress = tqdm(total=len(requests), disable=not settings.show_progress, unit="req")
+    start = time.perf_counter()
+    try:
+        outcomes = await dispatch(send, requests, settings, start, lambda: progress.update(1))
+    finally:
+        progress.close()
+    return summarise(outcomes, start, time.perf_counter() - start, settings)
+
+
+async def run_load(
+    config: ClientConfig,
+    requests: Sequence[BenchRequest],
+    settings: RunSettings,
+    warmup_requests: Sequence[BenchRequest] = (),
+    num_clients: int = 1,
+) -> BenchmarkRun:
+    """``run_benchmark`` over HTTP, its load split over ``num_clients`` client processes (one:
+    this process). Warmups go from this process first; duration runs from the first process's
+    first dispatch to the last completion in any of them."""
+    _check(requests, settings)
+    shares = split(len(requests), settings.max_concurrency, settings.request_rate, settings.seed,
+                   num_clients)
+    async with StreamingClient(config) as client:
+        if len(shares) == 1:
+            return await run_benchmark(client.send, requests, settings, warmup_requests)
+        await warm_up(client.send, warmup_requests or requests, settings.num_warmups,
+                      settings.max_concurrency)
+    outcomes, start, end = await run_shares(config, requests, settings, shares)
+    return summarise(outcomes, start, end - start, settings)
+
+
+def _check(requests: Sequence[BenchRequest], settings: RunSettings) -> None:
     if settings.max_concurrency is not None and settings.max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {settings.max_concurrency}")
     if not requests:
         raise ValueError("no requests to send")
-    await warm_up(send, warmup_requests or requests, settings.num_warmups, settings.max_concurrency)
 
+
+async def dispatch(send: SendFn, requests: Sequence[BenchRequest], settings: RunSettings,
+                   start: float, on_done: Callable[[], None]) -> list[RequestOutcome]:
+    """Send every request on the arrival schedule counted from ``start``, capped at
+    ``max_concurrency`` in flight; ``on_done`` after each completion."""
     offsets = send_offsets(len(requests), settings.request_rate, settings.burstiness, settings.seed)
     limit = asyncio.Semaphore(settings.max_concurrency) if settings.max_concurrency else None
-    progress = tqdm(total=len(requests), disable=not settings.show_progress, unit="req")
 
     async def one(request: BenchRequest) -> RequestOutcome:
         outcome = await _bounded(send, request, limit)
-        progress.update(1)
+        on_done()
         return outcome
 
-    start = time.perf_counter()
     tasks: list[asyncio.Task[RequestOutcome]] = []
     try:
         for request, offset in zip(requests, offsets):
@@ -118,13 +156,15 @@ async def run_benchmark(
             if delay > 0:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one(request)))
-        outcomes = await asyncio.gather(*tasks)
+        return list(await asyncio.gather(*tasks))
     finally:
         for task in tasks:
             task.cancel()
-        progress.close()
-    duration = time.perf_counter() - start
 
+
+def summarise(outcomes: Sequence[RequestOutcome], start: float, duration: float,
+              settings: RunSettings) -> BenchmarkRun:
+    """Outcomes rebased to ``start`` and their metrics over ``duration``."""
     rebased = tuple(replace(o, start_time=o.start_time - start) for o in outcomes)
     metrics = compute_metrics(rebased, duration, settings.percentiles, settings.goodput_slos)
     return BenchmarkRun(rebased, metrics, duration)
@@ -290,6 +330,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--max-concurrency", type=_positive_int, default=None, help="cap on requests in flight (closed loop)"
     )
     load.add_argument("--num-warmups", type=_non_negative_int, default=0, help="untimed requests sent first")
+    load.add_argument(
+        "--num-clients",
+        type=_positive_int,
+        default=None,
+        help="client processes sharing the load (default: one per 64 streams, at most half the cores)",
+    )
 
     body = parser.add_argument_group("request body")
     body.add_argument("--ignore-eos", action="store_true", help="send ignore_eos so outputs run to max_tokens")
@@ -395,12 +441,13 @@ async def _run(args: argparse.Namespace) -> int:
         goodput_slos=goodput,
         show_progress=not args.disable_tqdm,
     )
+    num_clients = args.num_clients or auto_num_clients(args.max_concurrency, len(requests))
     print(
         f"Benchmarking {model} at {client_config.url}: {len(requests)} {args.dataset_name} requests, "
         f"rate={args.request_rate}, burstiness={args.burstiness}, max_concurrency={args.max_concurrency}"
+        + (f", over {num_clients} client processes" if num_clients > 1 else "")
     )
-    async with StreamingClient(client_config) as client:
-        run = await run_benchmark(client.send, requests, settings, warmups)
+    run = await run_load(client_config, requests, settings, warmups, num_clients)
 
     print(format_table(run.metrics, args.max_concurrency, args.request_rate, goodput))
     errors = format_errors(run.outcomes)
@@ -409,7 +456,8 @@ async def _run(args: argparse.Namespace) -> int:
     if args.result_json:
         write_result(
             args.result_json,
-            result_document(run, _config_record(args, model, client_config.resolved_api, len(requests))),
+            result_document(run, {**_config_record(args, model, client_config.resolved_api, len(requests)),
+                                  "num_clients": num_clients}),
         )
         print(f"Results written to {args.result_json}")
     return 0

@@ -25,7 +25,14 @@ def _prompt_tokens(body: dict[str, Any]) -> int:
     return len(str(body.get("prompt", "")).split())
 
 
-def _make_app(payloads: list[dict[str, Any]]) -> Starlette:
+class Load:
+    """Streams the fake server is sending now, and the most it sent at once."""
+
+    def __init__(self) -> None:
+        self.in_flight = self.peak = 0
+
+
+def _make_app(payloads: list[dict[str, Any]], load: Load) -> Starlette:
     async def stream(request: Request) -> Any:
         body = await request.json()
         payloads.append(body)
@@ -49,6 +56,15 @@ def _make_app(payloads: list[dict[str, Any]]) -> Starlette:
             return f"data: {json.dumps(chunk)}\n\n"
 
         async def gen() -> AsyncIterator[str]:
+            load.in_flight += 1
+            load.peak = max(load.peak, load.in_flight)
+            try:
+                async for event_text in events():
+                    yield event_text
+            finally:
+                load.in_flight -= 1
+
+        async def events() -> AsyncIterator[str]:
             if chat:  # vllm-style role chunk without content: must not count as the first token
                 yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}}], 0)
             done = 0
@@ -84,11 +100,12 @@ def _make_app(payloads: list[dict[str, Any]]) -> Starlette:
 class FakeServer:
     def __init__(self) -> None:
         self.payloads: list[dict[str, Any]] = []
+        self.load = Load()
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.base_url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        config = uvicorn.Config(_make_app(self.payloads), log_level="warning", lifespan="off")
+        config = uvicorn.Config(_make_app(self.payloads, self.load), log_level="warning", lifespan="off")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
