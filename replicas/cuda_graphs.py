@@ -1,11 +1,15 @@
 """CUDA graphs for decode-only steps: each step's ~1000 kernel launches replayed as one.
 
 Without them a decode step of a small model on a GPU is host-bound: bench-135m at batch 32 on an
-H100 spent 3.2 ms of a ~40 ms step in kernels, the rest launching them from Python. A graph is
-captured per (batch bucket, block-table width bucket) on first use, all sharing one memory pool;
-inputs live in static buffers that each replay overwrites. Rows past the real batch are padding:
-they write their key and value into a spare block no sequence owns (the worker allocates one past
-the block manager's) and attend only to it.
+H100 spent 3.2 ms of a ~40 ms step in kernels, the rest launching them from Python. A graph per
+(batch bucket, block-table width bucket) is captured when the worker starts, as vLLM does
+(bench-135m: 78 graphs in 5.2 s on an H100): captured on first use instead, each new bucket stalled
+serving for three eager forwards (9% of the replica's samples in one 256-stream profile, though the
+run's throughput moved within its noise when they went). The graphs share one memory pool and write
+their logits into one static buffer, so no graph's output pins pool memory; inputs live in static
+buffers that each replay overwrites. Rows past the real batch are padding: they write their key and
+value into a spare block no sequence owns (the worker allocates one past the block manager's) and
+attend only to it.
 
 Used only for steps whose every row adds one token, at tensor-parallel size 1 (a graph cannot hold
 the actor round trips of tp > 1), on CUDA."""
@@ -13,6 +17,7 @@ the actor round trips of tp > 1), on CUDA."""
 from __future__ import annotations
 
 import bisect
+import time
 
 import torch
 
@@ -52,8 +57,10 @@ class DecodeGraphs:
         self.workspace = (None if self.native else
                           torch.empty(2, kv_heads * max_batch * max_blocks * block_size * dim,
                                       dtype=kv_cache.dtype, device=dev))
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.max_batch = max_batch
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool: object | None = None
+        self.logits: torch.Tensor | None = None  # [max_batch, vocab] float32, every graph's output
 
     def fits(self, batch: int, width: int) -> bool:
         return batch <= self.batch_buckets[-1] and width <= self.width_buckets[-1]
@@ -75,22 +82,39 @@ class DecodeGraphs:
     def _forward(self, b: int, w: int) -> torch.Tensor:
         hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_cache,
                             self._meta(b, w))
-        return self.model.compute_logits(hidden).float()
+        return self.model.compute_logits(hidden)
 
-    def _capture(self, b: int, w: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def capture_all(self) -> float:
+        """Every (batch, width) bucket's graph, largest first (the smaller ones then fit in the
+        pool the first grew); returns the seconds it took."""
+        started = time.perf_counter()
+        for b in reversed(self.batch_buckets):
+            for w in reversed(self.width_buckets):
+                if (b, w) not in self.graphs:
+                    self.graphs[b, w] = self._capture(b, w)
+        torch.cuda.synchronize(self.device)
+        return time.perf_counter() - started
+
+    def _capture(self, b: int, w: int) -> torch.cuda.CUDAGraph:
         # padding state in the buffers: a warm-up run must not write into a live block
         self._pad(0, b)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(2):  # lazy initialisations (cuBLAS handles, ...) outside the graph
-                self._forward(b, w)
+            # lazy initialisations outside the graph: cuBLAS handles on the first capture,
+            # Triton's compile for a new shape on every one
+            for _ in range(2 if self.logits is None else 1):
+                out = self._forward(b, w)
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self.logits is None:
+            self.logits = torch.empty(self.max_batch, out.shape[-1], dtype=torch.float32,
+                                      device=self.device)
+        del out
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self._forward(b, w)
+            self.logits[:b].copy_(self._forward(b, w))
         self.pool = graph.pool()
-        return graph, out
+        return graph
 
     def _pad(self, start: int, end: int) -> None:
         if end <= start:
@@ -121,12 +145,11 @@ class DecodeGraphs:
             self.device, non_blocking=True)
         rows = torch.tensor([[*t[:w], *[self.pad_block] * (w - len(t[:w]))] for t in tables],
                             dtype=torch.long).to(self.device, non_blocking=True)
-        self._fill(packed, rows, b)
         key = (b, w)
-        if key not in self.graphs:
+        if key not in self.graphs:  # capture_all not called
             self.graphs[key] = self._capture(b, w)
-            self._fill(packed, rows, b)  # the capture's warm-up ran on padding
-        graph, out = self.graphs[key]
-        graph.replay()
-        return out[:n]
+        self._fill(packed, rows, b)
+        self.graphs[key].replay()
+        assert self.logits is not None  # set by the first capture
+        return self.logits[:n]
 

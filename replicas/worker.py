@@ -3,6 +3,7 @@ the model runner. Runs in-process at tp=1, or as a Ray actor (one per GPU/bundle
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -16,6 +17,8 @@ from replicas.cuda_graphs import DecodeGraphs
 from replicas.loader import load_weights
 from replicas.model_runner import ModelRunner, StepInput, StepOutput
 from replicas.models import get_model_class
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,9 @@ class ShardWorker:
             decode_graphs = DecodeGraphs(
                 model, kv_cache, config.block_size, config.max_num_seqs,
                 -(-config.max_model_len // config.block_size), pad_block=config.num_blocks)
+            seconds = decode_graphs.capture_all()
+            logger.info("captured %d decode CUDA graphs in %.1f s", len(decode_graphs.graphs),
+                        seconds)
         self.runner = ModelRunner(model, kv_cache, config.block_size, decode_graphs,
                                   logits_on_device=config.logits_on_device)
 
