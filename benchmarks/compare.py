@@ -209,7 +209,9 @@ def engine_alone(path: Path, requests: list[BenchRequest], tokenizer: Any,
     out.unlink()
     return {"output_throughput": result["output_tokens_per_s"], "duration": result["elapsed_s"],
             "total_output_tokens": result["output_tokens"], "completed": result["num_seqs"],
-            "decode_only_step_ms": result["decode_only_step_ms"], "prompt_len": prompt_len}
+            "decode_only_step_ms": result["decode_only_step_ms"], "prompt_len": prompt_len,
+            "single_stream_pass_ms": result["single_stream_pass_ms"],
+            "prompt_forward_ms": result["prompt_forward_ms"]}
 
 
 def run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
@@ -273,7 +275,28 @@ def table(results: dict[str, list[dict[str, Any]]]) -> str:
         lines.append(f"{peer:<24}{tput:>12.1f}"
                      f"{(f'{ttft:.1f}' if ttft is not None else '-'):>14}"
                      f"{(f'{tpot:.1f}' if tpot is not None else '-'):>14}{ratios}")
-    return "\n".join(lines)
+    return "\n".join(lines + floors(results))
+
+
+def floors(results: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """With the engine peer in the run, each shardserve's latencies against the engine run's
+    floors in the same round (medians over rounds): TPOT p50 / one pass over the weights, and
+    TTFT p50 / (a bare forward over a prompt of the load's length + 5 ms), the issue's
+    single-stream and TTFT yardsticks at one stream."""
+    engine = results.get("engine") or []
+    lines = []
+    for name in (n for n in results if n.startswith("shardserve")):
+        tpot = [r.get("median_tpot_ms") and e.get("single_stream_pass_ms")
+                and r["median_tpot_ms"] / e["single_stream_pass_ms"]
+                for r, e in zip(results[name], engine)]
+        ttft = [r.get("median_ttft_ms") and e.get("prompt_forward_ms")
+                and r["median_ttft_ms"] / (e["prompt_forward_ms"] + 5.0)
+                for r, e in zip(results[name], engine)]
+        tpot_ratio, ttft_ratio = _median([x for x in tpot if x]), _median([x for x in ttft if x])
+        if tpot_ratio:
+            lines.append(f"{name}: TPOT p50 / one pass over the weights {tpot_ratio:.2f}x; "
+                         f"TTFT p50 / (bare forward over the prompt + 5 ms) {ttft_ratio:.2f}x")
+    return lines
 
 
 def run_cli(args: argparse.Namespace) -> int:

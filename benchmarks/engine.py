@@ -4,7 +4,8 @@ ignore_eos), plus two yardsticks measured in the same run on the same weights:
 
 - the roofline: the time of one decode step's matrix products alone at the batch size, with
   torch's own kernels (the floor for a step of this model on this machine), and
-- a single-stream pass: one matrix-vector pass over every weight (the floor for TPOT at batch 1)."""
+- a single-stream pass: one matrix-vector pass over every weight (the floor for TPOT at batch 1),
+- a bare forward over one prompt of the load's mean input length (the floor for TTFT)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import asyncio
 import dataclasses
 import json
 import random
+import statistics
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -66,6 +68,26 @@ def roofline_step_s(server: LLMServer, batch: int, repeats: int = 5) -> float:
     return best
 
 
+def prompt_forward_s(server: LLMServer, prompt_len: int, repeats: int = 5) -> float:
+    """Median time of one forward (with sampling's logits) over a fresh `prompt_len`-token
+    prompt, on the engine's compute thread, straight to the executor: no scheduler, no queue."""
+    from replicas.model_runner import RowInput, StepInput
+
+    engine = server.engine
+    block = engine.blocks.block_size
+    # any blocks do: the run is over and this server is not used for anything else after
+    table = tuple(range(-(-prompt_len // block)))
+    times = []
+    for i in range(repeats + 1):
+        ids = tuple(10 + (7 * j + i) % 3000 for j in range(prompt_len))
+        step = StepInput((RowInput(ids, 0, table, True),))
+        t = time.perf_counter()
+        engine.compute.submit(engine.executor.execute, step).result()
+        if i:  # the first is a warm-up
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 async def _run(server: LLMServer, reqs: list[GenerateRequest]) -> float:
     async def one(r: GenerateRequest) -> None:
         async for _ in server.generate(r):
@@ -106,6 +128,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     batch = min(n, args.max_num_seqs)
     roof = roofline_step_s(server, batch)
     single = roofline_step_s(server, 1)
+    forward = prompt_forward_s(server, round(in_tokens / n))
     result = {
         "model": args.model, "dtype": server.dtype, "num_seqs": n,
         "input_tokens": in_tokens, "output_tokens": out_tokens, "elapsed_s": elapsed,
@@ -122,6 +145,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "roofline_decode_step_ms_at_batch": roof * 1e3, "roofline_batch": batch,
         "roofline_decode_tokens_per_s": batch / roof,
         "single_stream_pass_ms": single * 1e3,
+        "prompt_forward_ms": forward * 1e3, "prompt_forward_len": round(in_tokens / n),
         "threads": torch.get_num_threads(),
         "device": torch_device_name(
             server.engine.executor.worker.runner.device),  # type: ignore[attr-defined]

@@ -79,3 +79,22 @@ def test_the_engine_peer_runs_bench_engine_on_the_loads_shape() -> None:
     assert result["output_throughput"] > 0 and result["decode_only_step_ms"] > 0
     # the chat template wraps each 12-token prompt: the engine gets at least that many tokens
     assert 12 < result["prompt_len"] < 60
+    # the floors for the latency yardsticks, measured in the same subprocess
+    assert result["single_stream_pass_ms"] > 0 and result["prompt_forward_ms"] > 0
+
+
+def test_latencies_are_reported_against_the_same_rounds_floors() -> None:
+    # round 2 ran on a slow machine (both ours and the floors doubled): the paired ratios stay
+    results = {"shardserve": [{"output_throughput": 30.0, "median_tpot_ms": 25.0,
+                               "median_ttft_ms": 130.0},
+                              {"output_throughput": 15.0, "median_tpot_ms": 50.0,
+                               "median_ttft_ms": 260.0}],
+               "engine": [{"output_throughput": 40.0, "single_stream_pass_ms": 20.0,
+                           "prompt_forward_ms": 95.0},
+                          {"output_throughput": 20.0, "single_stream_pass_ms": 40.0,
+                           "prompt_forward_ms": 195.0}]}
+    last = table(results).splitlines()[-1]
+    assert last.startswith("shardserve: TPOT p50 / one pass over the weights 1.25x")
+    assert last.endswith("TTFT p50 / (bare forward over the prompt + 5 ms) 1.30x")
+    # without the engine peer there is no floor to report
+    assert "one pass" not in table({"shardserve": results["shardserve"]})
