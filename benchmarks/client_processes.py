@@ -1,12 +1,12 @@
 """One `bench serve` load split over several client processes.
 
 A single Python process parsing SSE becomes the bottleneck long before a GPU server does: on the
-H100, one `bench serve` process at 256 streams used 87% of a core, and its own queueing showed
-up as seconds of TTFT that no server component had (the same server measured 4,383 tok/s and
-1.39 s TTFT p50 from one process, 10,305 and 0.82 s from two, 12,709 and 0.73 s from four). Each process here runs its share
-of the requests, of the concurrency cap and of the arrival rate on its own event loop and
-connection pool; the parent merges the outcomes on the machine's monotonic clock, which
-`time.perf_counter` reads in every process alike."""
+H100, one `bench serve` process at 256 streams used 87% of a core, and its own queueing showed up
+as seconds of TTFT that no server component had (the same server measured 4,383 tok/s and 1.39 s
+TTFT p50 from one process, 10,305 and 0.82 s from two, 12,709 and 0.73 s from four). Each process
+here runs its share of the requests, of the concurrency cap and of the arrival rate on its own
+event loop and connection pool; the parent merges the outcomes on the machine's monotonic clock,
+which `time.perf_counter` reads in every process alike."""
 
 from __future__ import annotations
 
@@ -72,7 +72,8 @@ def _client_entry(index: int, config: ClientConfig, requests: list[BenchRequest]
         outcomes, start, end = asyncio.run(_client_main(config, requests, settings, barrier,
                                                         lambda: messages.put(("done", index))))
         messages.put(("result", index, outcomes, start, end))
-    except Exception as exc:  # noqa: BLE001 (the parent reports it; a failed child must not hang the run)
+    # whatever failed, the parent reports it: a failed child must not hang the others or the run
+    except Exception as exc:  # noqa: BLE001
         barrier.abort()
         messages.put(("error", index, f"{type(exc).__name__}: {exc}"))
 
