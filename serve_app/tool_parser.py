@@ -14,6 +14,10 @@ from dataclasses import dataclass, field
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+# whitespace the answer may start with before its <think>: while the text so far is no more than
+# this much whitespace it is held (it may still turn into reasoning); beyond it, the answer is
+# content. Unbounded, an answer of newlines streamed nothing until it ended.
+MAX_LEADING_WHITESPACE = 8
 
 
 @dataclass(frozen=True)
@@ -71,10 +75,11 @@ class OutputParser:
         while self.buf:
             if self.state == "start":
                 stripped = self.buf.lstrip()
-                if stripped.startswith(THINK_OPEN):
+                may_open = len(self.buf) - len(stripped) <= MAX_LEADING_WHITESPACE
+                if may_open and stripped.startswith(THINK_OPEN):
                     self.buf = stripped[len(THINK_OPEN):]
                     self.state = "reasoning"
-                elif not final and THINK_OPEN.startswith(stripped):
+                elif may_open and not final and THINK_OPEN.startswith(stripped):
                     return  # could still become <think>
                 else:
                     self.state = "content"

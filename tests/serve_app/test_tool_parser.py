@@ -27,6 +27,7 @@ TEXTS = [
     "plain answer, no tags at all",
     "<think>\nstep 1, step 2\n</think>\n\nThe answer is 4.",
     "  <think>leading spaces</think>after",
+    "\n" * 12 + "<think>too far in to open reasoning</think>",
     "Let me check. " + CALL,
     "<think>I should call a tool</think>\n\n" + CALL + "\nDone.",
     TWO_CALLS,
@@ -65,6 +66,16 @@ def test_any_split_parses_like_one_piece(text: str) -> None:
     for i in range(0, len(text), 3):  # and three pieces
         j = min(len(text), i + 7)
         assert parse([text[:i], text[i:j], text[j:]]) == whole, (i, j)
+
+
+def test_an_answer_of_whitespace_streams_before_it_ends() -> None:
+    # a model that only writes newlines: once they are more than could precede <think>, they are
+    # content, streamed as they come rather than all at the end
+    p = OutputParser(True, True, False)
+    streamed = "".join(p.feed("\n").content for _ in range(20))
+    assert streamed == "\n" * 20
+    # a few newlines and then <think> still open reasoning, however split
+    assert parse(["\n", "\n", "<think>x</think>y"]) == ("y", "x", [])
 
 
 def test_tool_call_parsed() -> None:
