@@ -170,7 +170,9 @@ class LLMServer:
         self.compiler: Compiler | None = None
         on_gpu = (torch.cuda.is_available() if config.tensor_parallel_size == 1
                   else config.shard_num_gpus > 0)
-        self.default_stream_budget = 500.0 if on_gpu else 150.0
+        self.stream_budget = (config.stream_messages_per_s
+                              if config.stream_messages_per_s is not None
+                              else 500.0 if on_gpu else 150.0)
         self.model_path = path
         self.vocab_size = int(hf_config.vocab_size)
         self.max_model_len = max_len
@@ -200,9 +202,7 @@ class LLMServer:
             compiled = await self._compile(request.constraint)
         outbox = self.engine.add(request, compiled)
         outbox.min_tokens = self.config.stream_interval
-        budget = self.config.stream_messages_per_s
-        if budget is None:
-            budget = self.default_stream_budget
+        budget = self.stream_budget
         remaining = request.n
         try:
             while remaining:

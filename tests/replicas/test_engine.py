@@ -186,14 +186,14 @@ async def test_preemption_by_recompute_keeps_outputs_exact() -> None:
 async def test_stream_interval_sends_first_token_alone_then_groups(server: LLMServer) -> None:
     prompt = _prompts(1, seed=7)[0]
     params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
-    base = server.config
-    server.config = dataclasses.replace(base, stream_messages_per_s=0.0)
+    base, budget = server.config, server.stream_budget
+    server.stream_budget = 0.0
     try:
         every = await _collect(server, GenerateRequest("si-1", prompt, params))
-        server.config = dataclasses.replace(base, stream_interval=4, stream_messages_per_s=0.0)
+        server.config = dataclasses.replace(base, stream_interval=4)
         grouped = await _collect(server, GenerateRequest("si-4", prompt, params, n=1))
     finally:
-        server.config = base
+        server.config, server.stream_budget = base, budget
     sizes = [len(b.token_ids) for b in grouped[0]]
     assert [len(b.token_ids) for b in every[0]] == [1] * 14
     # the first token at once (TTFT), then groups of at least 4, the finish whenever it comes
@@ -209,19 +209,22 @@ async def test_message_budget_groups_tokens_under_load(server: LLMServer) -> Non
     # longer than a step of the embedded model, so after the first token they come grouped
     prompts = _prompts(4, seed=11)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    base = server.config
+    budget = server.stream_budget
     try:
-        server.config = dataclasses.replace(base, stream_messages_per_s=0.0)
+        server.stream_budget = 0.0
         every = await asyncio.gather(*(_collect(server, GenerateRequest(f"mb-a{i}", p, params))
                                        for i, p in enumerate(prompts)))
-        server.config = dataclasses.replace(base, stream_messages_per_s=8.0)
+        server.stream_budget = 8.0
         budgeted = await asyncio.gather(*(_collect(server, GenerateRequest(f"mb-b{i}", p, params))
                                           for i, p in enumerate(prompts)))
     finally:
-        server.config = base
+        server.stream_budget = budget
     # unset, the budget follows where the model runs (this server's model: CPU unless CUDA)
-    assert base.stream_messages_per_s is None
-    assert server.default_stream_budget == (500.0 if torch.cuda.is_available() else 150.0)
+    assert server.config.stream_messages_per_s is None
+    assert budget == (500.0 if torch.cuda.is_available() else 150.0)
+    # set, it is the replica's whatever the device
+    assert LLMServer(ReplicaConfig(model=EMBEDDED_MODEL_ID, max_model_len=128, kv_cache_gib=0.01,
+                                   stream_messages_per_s=0.0)).stream_budget == 0.0
     for alone, grouped in zip(every, budgeted):
         assert [len(b.token_ids) for b in alone[0]] == [1] * 24
         sizes = [len(b.token_ids) for b in grouped[0]]
