@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
+from replicas import host_memory
 from replicas.cuda_graphs import DecodeGraphs
 from replicas.loader import load_weights
 from replicas.model_runner import ModelRunner, StepInput, StepOutput
@@ -75,9 +76,11 @@ class ShardWorker:
                   and config.max_num_seqs > 0 and config.max_model_len > 0)
         # with graphs, one block past the block manager's takes the padding rows' writes
         blocks = config.num_blocks + (1 if graphs else 0)
-        kv_cache = torch.zeros(hf_config.num_hidden_layers, 2, kv_heads,
-                               blocks * config.block_size, head_dim, dtype=dtype,
-                               device=self.device)
+        shape = (hf_config.num_hidden_layers, 2, kv_heads, blocks * config.block_size, head_dim)
+        if self.device.type == "cpu":
+            kv_cache = host_memory.zeros(shape, dtype)
+        else:
+            kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         decode_graphs = None
         if graphs:
             decode_graphs = DecodeGraphs(

@@ -6,7 +6,8 @@ three times. `paged_attention.c` reads each key and value once. The others fuse 
 as several small ops, each costing microseconds of dispatch at decode sizes: `rms_norm.c` the
 residual add and RMSNorm, `rotary.c` RoPE and the store of the step's keys and values into the
 cache, `activation.c` the gated MLP's silu(gate) * up. Each rounds as torch does in the model
-dtype (`dtype.h`).
+dtype (`dtype.h`). `linear.c` replaces torch's bf16 matmul for inputs of few rows (decode
+steps), where torch streamed the weights at a third to a half of the memory's bandwidth.
 
 The library is compiled with the machine's C compiler (`$CC`, else `cc`) for the CPU it runs on
 and cached under `$SHARDSERVE_CACHE/kernels/<hash of source, flags and CPU>`; the build is atomic,
@@ -37,7 +38,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = tuple(Path(__file__).with_name(name) for name in
-                 ("paged_attention.c", "rms_norm.c", "rotary.c", "activation.c"))
+                 ("paged_attention.c", "rms_norm.c", "rotary.c", "activation.c", "linear.c"))
 _HEADERS = (Path(__file__).with_name("dtype.h"),)
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
 _lock = threading.Lock()
@@ -94,6 +95,11 @@ _SIGNATURES = {
     "silu_mul": [_PTR, _PTR, _I64, _I64, _INT],
 }
 _SUFFIX = {torch.float32: "_f32", torch.bfloat16: "_bf16"}
+# bf16 only: float32 matmuls stay with torch (MKL)
+_BF16_SIGNATURES = {"linear_bf16": [_PTR] * 4 + [_I64] * 3 + [_INT], "linear_bf16_fast": []}
+# up to this many rows `linear` beats torch's bf16 matmul (measured on a 2-core EPYC with
+# AVX512-BF16: 2x at 1 row, 1.2x at 32, even at 128-192, slower from 256: prefill sizes)
+LINEAR_MAX_ROWS = 128
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -102,6 +108,10 @@ def _declare(lib: ctypes.CDLL) -> None:
             fn = getattr(lib, name + suffix)
             fn.restype = ctypes.c_int
             fn.argtypes = argtypes
+    for name, argtypes in _BF16_SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = argtypes
 
 
 def load() -> ctypes.CDLL | None:
@@ -139,6 +149,21 @@ def supports(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 @cache
+def _fast_linear() -> bool:
+    lib = load()
+    return lib is not None and bool(lib.linear_bf16_fast())
+
+
+def uses_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` should replace torch's matmul for x [rows, K] @ weight [N, K]^T: bf16 on
+    a CPU whose build has AVX512-BF16, at decode sizes. Elsewhere the portable loop is correct
+    but slower than torch."""
+    return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and weight.dtype == x.dtype
+            and x.dim() == 2 and x.shape[0] <= LINEAR_MAX_ROWS and weight.is_contiguous()
+            and _fast_linear())
+
+
+@cache
 def _has_triton() -> bool:
     return (os.environ.get("SHARDSERVE_NATIVE_KERNELS", "1") != "0"
             and find_spec("triton") is not None)
@@ -152,12 +177,13 @@ def supports_paged_decode(dtype: torch.dtype, device: torch.device) -> bool:
     return supports(dtype, device)
 
 
-def _kernel(name: str, dtype: torch.dtype):
-    """The library's `name` for `dtype`; callers check `supports` first."""
+def _kernel(name: str, dtype: torch.dtype | None = None):
+    """The library's `name` for `dtype` (None: a single-dtype kernel); callers check `supports`
+    first."""
     lib = load()
     if lib is None:
         raise RuntimeError("native kernels are not available")
-    return getattr(lib, name + _SUFFIX[dtype])
+    return getattr(lib, name if dtype is None else name + _SUFFIX[dtype])
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -222,4 +248,22 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     out = x.new_empty((*x.shape[:-1], inter))
     _kernel("silu_mul", x.dtype)(x.data_ptr(), out.data_ptr(), x.numel() // (2 * inter), inter,
                                  torch.get_num_threads())
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias [N]) in bf16 with float32 accumulation, as F.linear.
+    Call only where the kernels load; `uses_linear` says where it is the faster choice."""
+    if x.dtype != torch.bfloat16 or weight.dtype != x.dtype or (
+            bias is not None and bias.dtype != x.dtype):
+        raise ValueError("linear takes bfloat16 inputs, weight and bias")
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"linear: cannot multiply {tuple(x.shape)} by {tuple(weight.shape)}^T")
+    x, weight = x.contiguous(), weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    rows, n = x.shape[0], weight.shape[0]
+    out = x.new_empty((rows, n))
+    _kernel("linear_bf16")(x.data_ptr(), weight.data_ptr(),
+                           None if bias is None else bias.data_ptr(), out.data_ptr(), rows, n,
+                           x.shape[1], torch.get_num_threads())
     return out

@@ -1,7 +1,8 @@
 """Tensor-parallel building blocks: column/row-parallel linears, a vocab-parallel embedding and head.
 
 Every parameter carries a `weight_loader` that narrows the full checkpoint tensor to this rank's
-shard, so loading is one loop over the checkpoint. With tp_size 1 they are plain layers."""
+shard, so loading is one loop over the checkpoint. With tp_size 1 they are plain layers. Their
+matmuls go through `linear`: the native kernel for bf16 decode sizes on CPUs, torch elsewhere."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from replicas import kernels
+
 
 def tp_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
@@ -17,6 +20,12 @@ def tp_rank() -> int:
 
 def tp_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if kernels.uses_linear(x, weight):
+        return kernels.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -49,7 +58,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.narrow(0, offset, size).copy_(part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -72,7 +81,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(1, self.tp_rank * self.local_in, self.local_in))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         if self.tp_size > 1:
             dist.all_reduce(y)
         if self.bias is not None:
@@ -109,7 +118,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Each rank computes its vocabulary slice of the logits; they are gathered to full width."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight)
         if self.tp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
             dist.all_gather(parts, logits)

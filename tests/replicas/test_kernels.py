@@ -159,3 +159,41 @@ def test_silu_mul_matches_torch(dtype: torch.dtype, rows: int) -> None:
     ulp = torch.finfo(dtype).eps * ref.abs().clamp_min(torch.finfo(dtype).tiny)
     assert ((out - ref).abs().float() <= ulp.float() * 1.01).all()
     assert (out != ref).float().mean() < 0.01
+
+
+# rows: one decode row, a 4-row tile plus each remainder, and more rows than tiles; n: whole
+# 4-column tiles and a remainder; k: whole 32-element steps and a masked tail
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 33])
+@pytest.mark.parametrize("n,k", [(8, 64), (13, 70), (96, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_torch(rows: int, n: int, k: int, bias: bool) -> None:
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    out = kernels.linear(x, w, b)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+    exact = x.double() @ w.double().T + (0 if b is None else b.double())
+    # float32 accumulation rounded once to bf16, as torch's: within one bf16 rounding of the
+    # exact product, and so within two of torch's (which sums in another order)
+    ulp = exact.abs().clamp_min(1e-3) * 2.0 ** -8
+    assert ((out.double() - exact).abs() <= ulp + 1e-4).all()
+    torch_out = torch.nn.functional.linear(x, w, b).double()
+    assert ((out.double() - torch_out).abs() <= 2 * ulp + 1e-4).all()
+
+
+def test_linear_rejects_what_it_cannot_multiply() -> None:
+    x = torch.randn(2, 8).bfloat16()
+    with pytest.raises(ValueError, match="bfloat16"):
+        kernels.linear(x.float(), torch.randn(4, 8))
+    with pytest.raises(ValueError, match="cannot multiply"):
+        kernels.linear(x, torch.randn(4, 6).bfloat16())
+
+
+def test_linear_is_used_for_decode_sizes_only() -> None:
+    w = torch.randn(16, 64).bfloat16()
+    fast = bool(kernels.load().linear_bf16_fast())
+    assert kernels.uses_linear(torch.randn(1, 64).bfloat16(), w) is fast
+    assert kernels.uses_linear(torch.randn(kernels.LINEAR_MAX_ROWS, 64).bfloat16(), w) is fast
+    assert not kernels.uses_linear(torch.randn(kernels.LINEAR_MAX_ROWS + 1, 64).bfloat16(), w)
+    assert not kernels.uses_linear(torch.randn(1, 64), w.float())  # float32: torch's MKL

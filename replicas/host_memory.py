@@ -1,0 +1,38 @@
+"""Host memory for the KV cache on CPUs: backed by transparent huge pages where the kernel allows.
+
+A decode step reads each row's cached keys and values from blocks scattered over the whole
+cache, a 2 KB block here and the next megabytes away: with 4 KB pages nearly every block costs a
+TLB miss and a page walk. On the project's 2-core EPYC (THP in `madvise` mode, as most
+distributions ship it) 30 layers of decode attention over 32 rows of 200 tokens in shuffled
+blocks took 23.3 and 25.6 ms on 4 KB pages and 17.9 and 24.2 ms on 2 MB pages (medians of 8
+interleaved runs, twice). torch only asks for huge pages when
+THP_MEM_ALLOC_ENABLE is set before it starts, which a Ray worker cannot rely on; this module asks
+for them itself."""
+
+from __future__ import annotations
+
+import math
+import mmap
+
+import torch
+
+_HUGE_PAGE = 2 << 20
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor in its own anonymous mapping, advised for huge pages (a plain
+    torch.zeros where the platform has no MADV_HUGEPAGE). The tensor keeps the mapping alive."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if advice is None or nbytes < _HUGE_PAGE:
+        return torch.zeros(shape, dtype=dtype)
+    # one huge page more than needed, so the tensor can start on a 2 MB boundary
+    region = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region.madvise(advice)
+    except OSError:  # THP disabled ("never") or an old kernel: ordinary pages, still zeroed
+        pass
+    start = torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr()
+    offset = -start % _HUGE_PAGE
+    # the anonymous mapping is zero-filled by the kernel as pages are first touched
+    return torch.frombuffer(region, dtype=dtype, count=math.prod(shape), offset=offset).view(shape)
