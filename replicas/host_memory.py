@@ -34,5 +34,8 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         pass
     start = torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr()
     offset = -start % _HUGE_PAGE
-    # the anonymous mapping is zero-filled by the kernel as pages are first touched
-    return torch.frombuffer(region, dtype=dtype, count=math.prod(shape), offset=offset).view(shape)
+    tensor = torch.frombuffer(region, dtype=dtype, count=math.prod(shape), offset=offset)
+    # the kernel would hand out (zeroed) pages as blocks are first used; touching them all now
+    # takes the cache's whole budget at start, as torch.zeros did, so a short machine fails at
+    # startup and the resident size does not creep up under load
+    return tensor.zero_().view(shape)

@@ -98,7 +98,8 @@ _SUFFIX = {torch.float32: "_f32", torch.bfloat16: "_bf16"}
 # bf16 only: float32 matmuls stay with torch (MKL)
 _BF16_SIGNATURES = {"linear_bf16": [_PTR] * 4 + [_I64] * 3 + [_INT], "linear_bf16_fast": []}
 # up to this many rows `linear` beats torch's bf16 matmul (measured on a 2-core EPYC with
-# AVX512-BF16: 2x at 1 row, 1.2x at 32, even at 128-192, slower from 256: prefill sizes)
+# AVX512-BF16: 2x at 1 row, 1.2x at 32, about even at 128-192, slower from 256 rows: the
+# prefill sizes, which keep torch's)
 LINEAR_MAX_ROWS = 128
 
 
