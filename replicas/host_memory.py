@@ -23,7 +23,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor in its own anonymous mapping, advised for huge pages (a plain
     torch.zeros where the platform has no MADV_HUGEPAGE). The tensor keeps the mapping alive."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if advice is None or nbytes < _HUGE_PAGE:
         return torch.zeros(shape, dtype=dtype)
     # one huge page more than needed, so the tensor can start on a 2 MB boundary

@@ -3,8 +3,8 @@
 
    A decode step of a ~100M-parameter model reads every weight once per step. torch's bf16 matmul
    streamed them at ~12 GB/s for one row and ~6 GB/s for 32 rows on this project's 2-core EPYC
-   (its kernels tile for large M and re-pack or re-read the weight), where the memory delivers
-   ~20 GB/s and llama.cpp's kernels reach it. Here each tile of 4 weight rows is loaded into L1
+   (its kernels tile for large M and re-pack or re-read the weight), where the memory reads
+   ~29 GB/s and llama.cpp's kernels reach ~20 GB/s. Here each tile of 4 weight rows is loaded into L1
    once and dotted with every row of x (which stays in L1/L2), so the weight crosses the memory
    bus once per call, and the products run on AVX512-BF16's dot-product instruction (pairs of
    bf16 multiplied and summed into float32 lanes). Accumulation is in float32 and the result
@@ -13,8 +13,7 @@
    The weight keeps torch's layout ([N, K] rows, as nn.Linear stores it): nothing is re-packed, so
    tensor-parallel loading, the torch path for prefill-sized inputs and checkpoints are untouched.
    Each 4x4 tile (4 rows of x by 4 weight rows) ends with the 16 dot products' 16-lane sums
-   folded into one vector (45 shuffles and adds instead of 16 separate horizontal sums, which cost
-   as much as the dot products themselves at K = 576).
+   folded into one vector by `sum_lanes16` (simd.h).
 
    Without AVX512-BF16 (another CPU, another compiler) a portable loop computes the same thing
    and `linear_bf16_fast` returns 0, so the model keeps torch's matmul there. */
@@ -22,17 +21,16 @@
 #include <stdint.h>
 
 #include "dtype.h"
+#include "simd.h"
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
 #define HAVE_DPBF16 1
 #else
 #define HAVE_DPBF16 0
 #endif
 
 #define TILE_N 4
-#ifndef PF_DIST
+/* tiles ahead whose rows the first pass over a tile prefetches (1 to 16 measured alike here) */
 #define PF_DIST 2
-#endif
 
 int linear_bf16_fast(void) { return HAVE_DPBF16; }
 
@@ -43,25 +41,6 @@ KERNEL_INLINE void store_out(uint16_t *y, const uint16_t *bias, int64_t N, int64
 }
 
 #if HAVE_DPBF16
-
-/* 16 vectors -> one vector whose lane i is the sum of v[i]'s 16 lanes. */
-KERNEL_INLINE __m512 fold16(const __m512 v[16]) {
-    __m512 u[8], w[4];
-    for (int i = 0; i < 8; i++)  // within 128-bit lanes: interleaved pair sums
-        u[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) {  // each 128-bit lane: [sum v0, sum v1, sum v2, sum v3] of it
-        const __m512d a = _mm512_castps_pd(u[2 * i]), b = _mm512_castps_pd(u[2 * i + 1]);
-        w[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    }
-    // across 128-bit lanes: pair lanes (0, 1) and (2, 3), twice
-    const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88),
-                                    _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
-    const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x88),
-                                    _mm512_shuffle_f32x4(w[2], w[3], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xDD));
-}
 
 /* Rows m0 .. m0+MT of y, columns n0 .. n0+TILE_N; MT is a constant at each call site so the
    accumulators live in registers. */
@@ -97,7 +76,7 @@ KERNEL_INLINE void tile(const uint16_t *x, const uint16_t *w, const uint16_t *bi
         }
     }
     float sums[16];
-    _mm512_storeu_ps(sums, fold16(acc));
+    _mm512_storeu_ps(sums, sum_lanes16(acc));
     for (int i = 0; i < MT; i++)
         for (int j = 0; j < TILE_N; j++) store_out(y, bias, N, m0 + i, n0 + j, sums[i * TILE_N + j]);
 }

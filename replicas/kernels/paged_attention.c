@@ -14,9 +14,7 @@
 #include <string.h>
 
 #include "dtype.h"
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 #define INLINE KERNEL_INLINE
 
@@ -55,27 +53,6 @@ INLINE float exp_shifted(float *s, int64_t n) {
 }
 
 #ifdef __AVX512F__
-/* x[t] holds partial sums of key t in its 16 lanes; returns the 16 totals, key t in lane t.
-   A transpose-and-add tree: 45 shuffles and adds instead of 16 separate horizontal sums. */
-INLINE __m512 sum_lanes16(const __m512 *x) {
-    __m512 t[8], u[4];
-    for (int i = 0; i < 8; i++)
-        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]),
-                             _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]));
-    for (int i = 0; i < 4; i++) {
-        __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
-        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    }
-    const int even = _MM_SHUFFLE(2, 0, 2, 0), odd = _MM_SHUFFLE(3, 1, 3, 1);
-    __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], even),
-                               _mm512_shuffle_f32x4(u[0], u[1], odd));
-    __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], even),
-                               _mm512_shuffle_f32x4(u[2], u[3], odd));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, even),
-                         _mm512_shuffle_f32x4(s01, s23, odd));
-}
-
 /* Scores of the first n keys of one 16-key block for every query head of the group:
    scores[g * len + t] = q_g . k_t. kf: room for 16 x D floats. */
 INLINE void block_scores16(
