@@ -65,8 +65,10 @@ class ReplicaConfig:
     # go at once); with few streams or slow steps it changes nothing. 0: off. None: 500 where the
     # model runs on GPUs, where each message costs ~0.4 ms of the replica's GIL in Ray's
     # streaming path (on the H100, 256 streams of one token each held one core and starved the
-    # engine loop); 150 on CPUs, where the CPU each message costs the ingress, the proxy and the
-    # client comes out of the cores the engine computes on (2 cores, 32 streams: 1.29x tok/s)
+    # engine loop); 50 on CPUs, where each message costs ~1 ms of CPU in the replica (Ray's
+    # report of a generator item) and ~1.4 ms in the ingress, out of the cores the engine
+    # computes on (2 cores, 32 streams, same run: 50 vs 150 gave 1.11x tok/s and 0.84 vs 0.76 of
+    # the engine alone; a stream then gets a message about every num_running / 50 s)
     stream_messages_per_s: float | None = None
     # vLLM's --enforce-eager: no CUDA graphs for decode steps (they apply on CUDA at tp 1)
     enforce_eager: bool = False
@@ -172,7 +174,7 @@ class LLMServer:
                   else config.shard_num_gpus > 0)
         self.stream_budget = (config.stream_messages_per_s
                               if config.stream_messages_per_s is not None
-                              else 500.0 if on_gpu else 150.0)
+                              else 500.0 if on_gpu else 50.0)
         self.model_path = path
         self.vocab_size = int(hf_config.vocab_size)
         self.max_model_len = max_len

@@ -41,7 +41,7 @@ def _serve_parser(sub: Any) -> None:
                    help="a replica's budget of streamed messages per second, shared by its "
                         "running requests: under load each request's tokens are grouped so "
                         "it waits at least running/budget s between messages (default 500 "
-                        "where the model runs on GPUs, 150 on CPUs; 0: one message per token, "
+                        "where the model runs on GPUs, 50 on CPUs; 0: one message per token, "
                         "whatever the load)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode steps (used on CUDA at tensor-parallel size 1)")

@@ -97,10 +97,13 @@ _SIGNATURES = {
 _SUFFIX = {torch.float32: "_f32", torch.bfloat16: "_bf16"}
 # bf16 only: float32 matmuls stay with torch (MKL)
 _BF16_SIGNATURES = {"linear_bf16": [_PTR] * 4 + [_I64] * 3 + [_INT], "linear_bf16_fast": []}
-# up to this many rows `linear` beats torch's bf16 matmul (measured on a 2-core EPYC with
-# AVX512-BF16: 2x at 1 row, 1.2x at 32, about even at 128-192, slower from 256 rows: the
-# prefill sizes, which keep torch's)
-LINEAR_MAX_ROWS = 128
+# up to this many rows `linear` replaces torch's bf16 matmul. Whole-model passes (bench-135m
+# shapes, 30 layers) on a 2-core EPYC with AVX512-BF16, against torch with its oneDNN primitive
+# already built: 2x at 1 row, 1.2x at 32, 1.12x at 128, 0.98-1.04x at 137-200, 0.93x at 256.
+# Past 128 rows it still wins in serving: oneDNN builds a primitive for every new row count
+# (~3 ms per weight shape, ~15 ms per new prompt length here), and prefill steps' row counts
+# rarely repeat. From 256 rows torch's blocking wins more than the builds cost.
+LINEAR_MAX_ROWS = 224
 
 
 def _declare(lib: ctypes.CDLL) -> None:
