@@ -9,10 +9,11 @@ already the layout the two matmuls want.
 The model runner describes one step with `AttentionMetadata` (built once per step, shared by every
 layer): where each new token's K/V goes (`slot_mapping`) and, per row, which cache slots form its
 context. Rows that add one token (decode) are attended in one call. Rows that add several
-(prefill chunks) are attended, on CUDA, all in one variable-length flash-attention call over their
-gathered contexts (`VarlenPrefill`); elsewhere one row at a time with a causal mask offset by
-their cached prefix (on a GPU that loop cost ~6 launches per row per layer: with 44 rows a step,
-more than the step's matmuls)."""
+(prefill chunks) are attended, on CPUs with the native kernels, as one decode row per token (the
+model runner describes them so: each token's context is its row's positions up to it); on CUDA
+all in one variable-length flash-attention call over their gathered contexts (`VarlenPrefill`);
+elsewhere one row at a time with a causal mask offset by their cached prefix (on a GPU that loop
+cost ~6 launches per row per layer: with 44 rows a step, more than the step's matmuls)."""
 
 from __future__ import annotations
 

@@ -55,6 +55,11 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.native_decode = kernels.supports_paged_decode(kv_cache.dtype, kv_cache.device)
+        # on CPUs every prefill token is attended as a decode row of its own (its context: the
+        # positions up to it): the C kernel beat SDPA's causal flash attention at every prompt
+        # length measured (137 tokens 1.8x, 512 1.45x, 2048 1.05x; bench-135m heads, 2 cores).
+        # On GPUs prefill keeps flash attention (varlen or per row)
+        self.native_prefill = self.native_decode and kv_cache.device.type == "cpu"
         self.varlen_prefill = supports_varlen_prefill(kv_cache.dtype, kv_cache.device)
 
     def _slots(self, block_table: tuple[int, ...], start: int, end: int) -> list[int]:
@@ -67,7 +72,8 @@ class ModelRunner:
         positions: list[int] = []
         slot_mapping: list[int] = []
         decode_index: list[int] = []
-        decode_tables: list[tuple[int, ...]] = []
+        decode_tables: list[tuple[int, ...]] = []  # one per row with decode-row tokens
+        decode_counts: list[int] = []  # how many decode rows use each of those tables
         decode_lens: list[int] = []
         prefill: list[PrefillRow] = []
         # varlen prefill: the prefill rows' flat positions and their contexts' cache slots
@@ -80,10 +86,11 @@ class ModelRunner:
             ids.extend(row.token_ids)
             positions.extend(range(row.start, row.start + n))
             slot_mapping.extend(self._slots(row.block_table, row.start, row.start + n))
-            if n == 1:
-                decode_index.append(offset)
+            if n == 1 or self.native_prefill:
+                decode_index.extend(range(offset, offset + n))
                 decode_tables.append(row.block_table)
-                decode_lens.append(row.start + 1)
+                decode_counts.append(n)
+                decode_lens.extend(range(row.start + 1, row.start + n + 1))
             elif self.varlen_prefill:
                 prefill_index.extend(range(offset, offset + n))
                 cu_q.append(len(prefill_index))
@@ -99,9 +106,11 @@ class ModelRunner:
         if decode_index:
             bs = self.block_size
             # only the blocks a row's context reaches: tables may hold blocks reserved ahead
-            width = max(-(-n // bs) for n in decode_lens)
+            width = -(-max(decode_lens) // bs)
             tables = torch.tensor([t[:width] + (0,) * (width - len(t[:width]))
                                    for t in decode_tables])
+            if len(decode_tables) < len(decode_index):  # prefill tokens share their row's table
+                tables = tables.repeat_interleave(torch.tensor(decode_counts), dim=0)
             lens = torch.tensor(decode_lens)
             fields = {"decode_token_index": torch.tensor(decode_index),
                       "decode_block_tables": tables, "decode_context_lens": lens,

@@ -27,11 +27,21 @@ def _make(tmp: Path, arch: str) -> transformers.PreTrainedModel:
     return model.eval()
 
 
+def _use_torch_attention(worker: ShardWorker) -> None:
+    """The attention path of machines without the native kernels: gathered decode rows, SDPA
+    per prefill row."""
+    worker.runner.native_decode = worker.runner.native_prefill = False
+
+
+@pytest.mark.parametrize("attention", ["native", "torch"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_prefill_and_paged_decode_match_transformers(tmp_path: Path, arch: str) -> None:
+def test_prefill_and_paged_decode_match_transformers(tmp_path: Path, arch: str,
+                                                     attention: str) -> None:
     torch.manual_seed(0)
     hf = _make(tmp_path, arch)
     worker = ShardWorker(WorkerConfig(str(tmp_path), "float32", num_blocks=64, block_size=BLOCK))
+    if attention == "torch":
+        _use_torch_attention(worker)
     prompts = [[5, 17, 42, 7, 99, 3, 11], [8, 1, 250, 33, 2]]
     tables = [(3, 9, 12), (20, 4, 7)]  # deliberately scattered blocks
     # prefill both rows in one step
@@ -51,10 +61,13 @@ def test_prefill_and_paged_decode_match_transformers(tmp_path: Path, arch: str) 
             out = worker.execute(StepInput(tuple(rows)))
 
 
-def test_chunked_prefill_over_cached_prefix_matches(tmp_path: Path) -> None:
+@pytest.mark.parametrize("attention", ["native", "torch"])
+def test_chunked_prefill_over_cached_prefix_matches(tmp_path: Path, attention: str) -> None:
     torch.manual_seed(1)
     hf = _make(tmp_path, "llama")
     worker = ShardWorker(WorkerConfig(str(tmp_path), "float32", num_blocks=16, block_size=BLOCK))
+    if attention == "torch":
+        _use_torch_attention(worker)
     prompt = list(range(10, 30))
     table = (1, 2, 3, 4, 5)
     worker.execute(StepInput((RowInput(tuple(prompt[:9]), 0, table, False),)))
@@ -63,6 +76,29 @@ def test_chunked_prefill_over_cached_prefix_matches(tmp_path: Path) -> None:
         ref = hf(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(out.logits[0], ref[-1], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out.all_logits[0], ref[9:], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("attention", ["native", "torch"])
+def test_step_mixing_decode_and_prefill_rows_matches(tmp_path: Path, attention: str) -> None:
+    # continuous batching: one row decodes while another prefills (from scratch, and a chunk
+    # over its cached prefix) in the same step
+    torch.manual_seed(2)
+    hf = _make(tmp_path, "llama")
+    worker = ShardWorker(WorkerConfig(str(tmp_path), "float32", num_blocks=32, block_size=BLOCK))
+    if attention == "torch":
+        _use_torch_attention(worker)
+    a, b, c = [5, 17, 42, 7, 99, 3], list(range(40, 61)), [8, 1, 250, 33, 2, 77, 9]
+    ta, tb, tc = (2, 11), (7, 3, 14, 20, 9, 16), (25, 5)
+    first = worker.execute(StepInput((RowInput(tuple(a), 0, ta, True),
+                                      RowInput(tuple(b[:10]), 0, tb, False))))
+    a.append(int(first.logits[0].argmax()))
+    out = worker.execute(StepInput((RowInput((a[-1],), len(a) - 1, ta, True),
+                                    RowInput(tuple(b[10:]), 10, tb, True),
+                                    RowInput(tuple(c), 0, tc, True))))
+    with torch.no_grad():
+        for i, seq in enumerate((a, b, c)):
+            ref = hf(torch.tensor([seq])).logits[0, -1]
+            torch.testing.assert_close(out.logits[i], ref, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: the q/k/v biases
