@@ -27,10 +27,14 @@ def _make(tmp: Path, arch: str) -> transformers.PreTrainedModel:
     return model.eval()
 
 
-def _use_torch_attention(worker: ShardWorker) -> None:
-    """The attention path of machines without the native kernels: gathered decode rows, SDPA
-    per prefill row."""
-    worker.runner.native_decode = worker.runner.native_prefill = False
+def _worker(tmp: Path, num_blocks: int, attention: str) -> ShardWorker:
+    """A float32 worker on `tmp`'s model; attention "torch": the path of machines without the
+    native kernels (gathered decode rows, SDPA per prefill row)."""
+    worker = ShardWorker(WorkerConfig(str(tmp), "float32", num_blocks=num_blocks,
+                                      block_size=BLOCK))
+    if attention == "torch":
+        worker.runner.native_decode = worker.runner.native_prefill = False
+    return worker
 
 
 @pytest.mark.parametrize("attention", ["native", "torch"])
@@ -39,9 +43,7 @@ def test_prefill_and_paged_decode_match_transformers(tmp_path: Path, arch: str,
                                                      attention: str) -> None:
     torch.manual_seed(0)
     hf = _make(tmp_path, arch)
-    worker = ShardWorker(WorkerConfig(str(tmp_path), "float32", num_blocks=64, block_size=BLOCK))
-    if attention == "torch":
-        _use_torch_attention(worker)
+    worker = _worker(tmp_path, 64, attention)
     prompts = [[5, 17, 42, 7, 99, 3, 11], [8, 1, 250, 33, 2]]
     tables = [(3, 9, 12), (20, 4, 7)]  # deliberately scattered blocks
     # prefill both rows in one step
@@ -65,9 +67,7 @@ def test_prefill_and_paged_decode_match_transformers(tmp_path: Path, arch: str,
 def test_chunked_prefill_over_cached_prefix_matches(tmp_path: Path, attention: str) -> None:
     torch.manual_seed(1)
     hf = _make(tmp_path, "llama")
-    worker = ShardWorker(WorkerConfig(str(tmp_path), "float32", num_blocks=16, block_size=BLOCK))
-    if attention == "torch":
-        _use_torch_attention(worker)
+    worker = _worker(tmp_path, 16, attention)
     prompt = list(range(10, 30))
     table = (1, 2, 3, 4, 5)
     worker.execute(StepInput((RowInput(tuple(prompt[:9]), 0, table, False),)))
@@ -84,9 +84,7 @@ def test_step_mixing_decode_and_prefill_rows_matches(tmp_path: Path, attention: 
     # over its cached prefix) in the same step
     torch.manual_seed(2)
     hf = _make(tmp_path, "llama")
-    worker = ShardWorker(WorkerConfig(str(tmp_path), "float32", num_blocks=32, block_size=BLOCK))
-    if attention == "torch":
-        _use_torch_attention(worker)
+    worker = _worker(tmp_path, 32, attention)
     a, b, c = [5, 17, 42, 7, 99, 3], list(range(40, 61)), [8, 1, 250, 33, 2, 77, 9]
     ta, tb, tc = (2, 11), (7, 3, 14, 20, 9, 16), (25, 5)
     first = worker.execute(StepInput((RowInput(tuple(a), 0, ta, True),
