@@ -48,11 +48,15 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 def roofline_step_s(server: LLMServer, batch: int, repeats: int = 5) -> float:
     """Time of the matrix products of one decode step at `batch` rows, with torch's kernels."""
     import torch
+
+    from replicas.models.parallel import LINEARS
     model = server.engine.executor.worker.runner.model  # type: ignore[attr-defined]
-    weights = [m.weight for m in model.modules() if hasattr(m, "weight")
-               and m.weight is not None and m.weight.dim() == 2
-               and m is not model.embed_tokens]
-    device = weights[0].device
+    # the layers' own weights may be packed for the native kernel: torch multiplies copies
+    # of their logical shape
+    linears = [m for m in model.modules() if isinstance(m, LINEARS)]
+    device, dtype = linears[0].weight.device, linears[0].weight.dtype
+    weights = [torch.randn(m.out_features, m.in_features, dtype=dtype, device=device)
+               for m in linears]
     x = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype, device=device)
          for w in weights}
     for w in weights:  # warm-up

@@ -18,6 +18,7 @@ from replicas.cuda_graphs import DecodeGraphs
 from replicas.loader import load_weights
 from replicas.model_runner import ModelRunner, StepInput, StepOutput
 from replicas.models import get_model_class
+from replicas.models.parallel import pack_weights
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class ShardWorker:
             torch.backends.cuda.enable_cudnn_sdp(False)
         load_weights(model, Path(config.model_path), dtype)
         model.to(self.device).eval()
+        pack_weights(model)
         head_dim = model.layers[0].self_attn.head_dim
         kv_heads = model.layers[0].self_attn.num_kv_heads
         graphs = (config.cuda_graphs and self.device.type == "cuda" and config.tp_size == 1

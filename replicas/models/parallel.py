@@ -2,7 +2,8 @@
 
 Every parameter carries a `weight_loader` that narrows the full checkpoint tensor to this rank's
 shard, so loading is one loop over the checkpoint. With tp_size 1 they are plain layers. Their
-matmuls go through `linear`: the native kernel for bf16 decode sizes on CPUs, torch elsewhere."""
+matmuls go through `linear`: once loaded, `pack_weights` repacks bf16 weights on CPUs with
+AVX512-BF16 for the native kernel, which then multiplies at every size; torch does elsewhere."""
 
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ def tp_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if kernels.uses_linear(x, weight):
-        return kernels.linear(x, weight, bias)
+def linear(x: torch.Tensor, weight: torch.Tensor, out_features: int,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    if weight.dim() == 4:  # packed by pack_weights
+        return kernels.linear(x, weight, out_features, bias)
     return F.linear(x, weight, bias)
 
 
@@ -42,11 +44,12 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.local_sizes = [_divide(s, self.tp_size, "output features") for s in shard_sizes]
-        out = sum(self.local_sizes)
-        self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
+        self.in_features, self.out_features = in_features, sum(self.local_sizes)
+        self.weight = nn.Parameter(torch.empty(self.out_features, in_features),
+                                   requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
-            self.bias = nn.Parameter(torch.empty(out), requires_grad=False)
+            self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
@@ -58,7 +61,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.narrow(0, offset, size).copy_(part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.out_features, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -68,6 +71,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.local_in = _divide(in_features, self.tp_size, "input features")
+        self.in_features, self.out_features = self.local_in, out_features
         self.weight = nn.Parameter(torch.empty(out_features, self.local_in), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -81,7 +85,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(1, self.tp_rank * self.local_in, self.local_in))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight)
+        y = linear(x, self.weight, self.out_features)
         if self.tp_size > 1:
             dist.all_reduce(y)
         if self.bias is not None:
@@ -117,10 +121,30 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Each rank computes its vocabulary slice of the logits; they are gathered to full width."""
 
+    def __init__(self, vocab_size: int, hidden: int) -> None:
+        super().__init__(vocab_size, hidden)
+        self.in_features, self.out_features = hidden, self.local_vocab
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = linear(hidden, self.weight)
+        logits = linear(hidden, self.weight, self.out_features)
         if self.tp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
             dist.all_gather(parts, logits)
             logits = torch.cat(parts, dim=-1)
         return logits[..., : self.vocab_size]
+
+
+LINEARS = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
+
+
+def pack_weights(model: nn.Module) -> int:
+    """Packs, in place, the weight of every linear layer (and the LM head) that the native CPU
+    kernel multiplies (`kernels.packs_linear`); returns how many. Call once, after loading: the
+    packed weight replaces the [out, in] one, which nothing reads afterwards."""
+    packed = 0
+    for module in model.modules():
+        if isinstance(module, LINEARS) and kernels.packs_linear(module.weight):
+            module.weight = nn.Parameter(kernels.pack_linear(module.weight.data),
+                                         requires_grad=False)
+            packed += 1
+    return packed

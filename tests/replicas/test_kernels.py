@@ -161,17 +161,27 @@ def test_silu_mul_matches_torch(dtype: torch.dtype, rows: int) -> None:
     assert (out != ref).float().mean() < 0.01
 
 
-# rows: one decode row, a 4-row tile plus each remainder, and more rows than tiles; n: whole
-# 4-column tiles and a remainder; k: whole 32-element steps and a masked tail
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 33])
-@pytest.mark.parametrize("n,k", [(8, 64), (13, 70), (96, 576)])
+def _fast_linear() -> bool:
+    lib = kernels.load()
+    return lib is not None and bool(lib.linear_bf16_fast())
+
+
+needs_fast_linear = pytest.mark.skipif(not _fast_linear(), reason="the CPU lacks AVX512-BF16")
+
+
+# rows: one decode row, an 8-row tile plus remainders, more rows than tiles; n: whole 32-column
+# panels, a half panel and ragged ones; k: even, odd (a zero-padded last pair)
+@needs_fast_linear
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 33])
+@pytest.mark.parametrize("n,k", [(8, 64), (13, 70), (37, 19), (96, 576)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_matches_torch(rows: int, n: int, k: int, bias: bool) -> None:
     g = torch.Generator().manual_seed(rows * 1000 + n + k)
     x = torch.randn(rows, k, generator=g).bfloat16()
     w = torch.randn(n, k, generator=g).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if bias else None
-    out = kernels.linear(x, w, b)
+    assert kernels.packs_linear(w)
+    out = kernels.linear(x, kernels.pack_linear(w), n, b)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
     exact = x.double() @ w.double().T + (0 if b is None else b.double())
     # float32 accumulation rounded once to bf16, as torch's: within one bf16 rounding of the
@@ -182,18 +192,28 @@ def test_linear_matches_torch(rows: int, n: int, k: int, bias: bool) -> None:
     assert ((out.double() - torch_out).abs() <= 2 * ulp + 1e-4).all()
 
 
+@needs_fast_linear
+def test_linear_keeps_leading_dims() -> None:
+    x, w = torch.randn(2, 3, 40).bfloat16(), torch.randn(24, 40).bfloat16()
+    out = kernels.linear(x, kernels.pack_linear(w), 24)
+    assert out.shape == (2, 3, 24)
+    torch.testing.assert_close(out.float(), torch.nn.functional.linear(x, w).float(),
+                               rtol=2 ** -7, atol=1e-2)
+
+
 def test_linear_rejects_what_it_cannot_multiply() -> None:
     x = torch.randn(2, 8).bfloat16()
+    packed = kernels.pack_linear(torch.randn(4, 8).bfloat16())
     with pytest.raises(ValueError, match="bfloat16"):
-        kernels.linear(x.float(), torch.randn(4, 8))
-    with pytest.raises(ValueError, match="cannot multiply"):
-        kernels.linear(x, torch.randn(4, 6).bfloat16())
+        kernels.linear(x.float(), packed, 4)
+    with pytest.raises(ValueError, match="does not take"):
+        kernels.linear(torch.randn(2, 6).bfloat16(), packed, 4)
+    with pytest.raises(ValueError, match="does not take"):
+        kernels.linear(x, packed, 33)  # more columns than the packed panels hold
 
 
-def test_linear_is_used_for_decode_sizes_only() -> None:
+def test_only_bf16_weights_on_fast_cpus_are_packed() -> None:
     w = torch.randn(16, 64).bfloat16()
-    fast = bool(kernels.load().linear_bf16_fast())
-    assert kernels.uses_linear(torch.randn(1, 64).bfloat16(), w) is fast
-    assert kernels.uses_linear(torch.randn(kernels.LINEAR_MAX_ROWS, 64).bfloat16(), w) is fast
-    assert not kernels.uses_linear(torch.randn(kernels.LINEAR_MAX_ROWS + 1, 64).bfloat16(), w)
-    assert not kernels.uses_linear(torch.randn(1, 64), w.float())  # float32: torch's MKL
+    assert kernels.packs_linear(w) is _fast_linear()
+    assert not kernels.packs_linear(w.float())  # float32: torch's MKL
+    assert not kernels.packs_linear(w[0])

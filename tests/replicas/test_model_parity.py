@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 
+from replicas import kernels
 from replicas.model_runner import RowInput, StepInput
 from replicas.worker import ShardWorker, WorkerConfig
 
@@ -106,6 +107,9 @@ def test_bfloat16_decode_matches_transformers(tmp_path: Path, arch: str) -> None
     torch.manual_seed(2)
     hf = _make(tmp_path, arch).to(torch.bfloat16)
     worker = ShardWorker(WorkerConfig(str(tmp_path), "bfloat16", num_blocks=64, block_size=BLOCK))
+    # with AVX512-BF16 every linear (and the head) multiplies packed weights
+    packed = worker.runner.model.lm_head.weight.dim() == 4
+    assert packed is bool(kernels.load() and kernels.load().linear_bf16_fast())
     seq = [5, 17, 42, 7, 99, 3, 11]
     table = (3, 9, 12, 5)
     out = worker.execute(StepInput((RowInput(tuple(seq), 0, table, True),)))
