@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from functools import cache
 from importlib.util import find_spec
 from pathlib import Path
@@ -39,7 +40,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = tuple(Path(__file__).with_name(name) for name in
-                 ("paged_attention.c", "rms_norm.c", "rotary.c", "activation.c", "linear.c"))
+                 ("paged_attention.c", "rms_norm.c", "rotary.c", "activation.c", "linear.c",
+                  "llama_layers.c"))
 _HEADERS = tuple(Path(__file__).with_name(name) for name in ("dtype.h", "simd.h"))
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
 _lock = threading.Lock()
@@ -97,7 +99,11 @@ _SIGNATURES = {
 }
 _SUFFIX = {torch.float32: "_f32", torch.bfloat16: "_bf16"}
 # bf16 only: float32 matmuls stay with torch (MKL)
-_BF16_SIGNATURES = {"linear_bf16": [_PTR] * 4 + [_I64] * 3 + [_INT], "linear_bf16_fast": []}
+_BF16_SIGNATURES = {
+    "linear_bf16": [_PTR] * 4 + [_I64] * 3 + [_INT], "linear_bf16_fast": [],
+    "llama_layers_bf16": [_PTR, _I64] + [_PTR] * 3 + [_I64] * 6 + [_F32] * 2 + [_PTR] * 5
+                         + [_I64] * 3 + [_INT],
+}
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -277,3 +283,45 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     if failed:
         raise RuntimeError("this build has no AVX512-BF16 to multiply packed weights with")
     return out.view(*x.shape[:-1], out_features)
+
+
+class LlamaLayer(ctypes.Structure):
+    """One decoder layer's parameters and cache as `llama_layers` reads them (llama_layers.c):
+    data pointers of the norms' weights, the packed projections (qkv_bias None where there is
+    none) and the layer's K and V caches."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down", "k_cache",
+        "v_cache")]
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    eps: float
+    scale: float
+
+
+def llama_layers(layers: ctypes.Array, shape: LlamaShape, x: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, cache_slots: int,
+                 block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every layer over the step's tokens x [T, hidden] (the embeddings), each token attended as
+    a decode row (block_tables [T, nb] and context_lens [T], int64): (the last layer's output,
+    the residual stream after it). Bit-identical to the model's Python layers over the same
+    kernels. The arrays the pointers in `layers` name must outlive the call."""
+    x = x.contiguous()
+    out, residual = torch.empty_like(x), torch.empty_like(x)
+    failed = _kernel("llama_layers_bf16")(
+        layers, len(layers), x.data_ptr(), out.data_ptr(), residual.data_ptr(), x.shape[0],
+        shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.inter, shape.eps,
+        shape.scale, cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(),
+        block_tables.data_ptr(), context_lens.data_ptr(), block_tables.shape[1], cache_slots,
+        block_size, torch.get_num_threads())
+    if failed:
+        raise MemoryError("the decoder layers could not allocate their buffers")
+    return out, residual

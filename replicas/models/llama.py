@@ -6,6 +6,8 @@ head only on the positions the runner asks for."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -147,16 +149,61 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        # (kv cache address, kernels.llama_layers' table or None): built on first use, after
+        # the weights are loaded and packed
+        self._native_table: tuple[int, Any] | None = None
+        self._native_shape: kernels.LlamaShape | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """kv_cache: [layers, 2, kv_heads, slots, head_dim]."""
         x = self.embed_tokens(input_ids)
         rope = self.rope.cos_sin(positions, x.dtype)
+        native = self._native_layers(kv_cache, meta)
+        if native is not None:
+            x, residual = kernels.llama_layers(
+                native, self._native_shape, x, *rope, meta.slot_mapping,
+                meta.decode_block_tables, meta.decode_context_lens, kv_cache.shape[3],
+                meta.block_size)
+            return self.norm.add_forward(x, residual)[0]
         residual = None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, rope, kv_cache[i, 0], kv_cache[i, 1], meta)
         return self.norm.add_forward(x, residual)[0]
+
+    def _native_layers(self, kv_cache: torch.Tensor, meta: AttentionMetadata) -> Any:
+        """The layer table of `kernels.llama_layers` where it runs this step's layers (bf16 on a
+        CPU, packed weights, one rank, no q/k norms or o_proj bias, every token attended as a
+        decode row); None where the Python layers run."""
+        if not meta.native_decode or meta.prefill_rows or kv_cache.device.type != "cpu":
+            return None
+        if self._native_table is None or self._native_table[0] != kv_cache.data_ptr():
+            self._native_table = (kv_cache.data_ptr(), self._layer_table(kv_cache))
+        return self._native_table[1]
+
+    def _layer_table(self, kv_cache: torch.Tensor) -> Any:
+        attn = self.layers[0].self_attn
+        if (tp_size() > 1 or attn.qk_norm or kv_cache.dtype != torch.bfloat16
+                or not kernels.supports(kv_cache.dtype, kv_cache.device)):
+            return None
+        table = (kernels.LlamaLayer * len(self.layers))()
+        for i, layer in enumerate(self.layers):
+            a, mlp = layer.self_attn, layer.mlp
+            projections = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if any(p.weight.dim() != 4 for p in projections) or a.o_proj.bias is not None:
+                return None
+            bias = a.qkv_proj.bias
+            table[i] = kernels.LlamaLayer(
+                layer.input_layernorm.weight.data_ptr(),
+                layer.post_attention_layernorm.weight.data_ptr(), a.qkv_proj.weight.data_ptr(),
+                None if bias is None else bias.data_ptr(), a.o_proj.weight.data_ptr(),
+                mlp.gate_up_proj.weight.data_ptr(), mlp.down_proj.weight.data_ptr(),
+                kv_cache[i, 0].data_ptr(), kv_cache[i, 1].data_ptr())
+        self._native_shape = kernels.LlamaShape(
+            self.config.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+            self.layers[0].mlp.gate_up_proj.out_features // 2,
+            self.layers[0].input_layernorm.eps, attn.scale)
+        return table
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

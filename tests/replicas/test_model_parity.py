@@ -122,3 +122,25 @@ def test_bfloat16_decode_matches_transformers(tmp_path: Path, arch: str) -> None
             assert (got - ref).abs().max() <= 0.02 * scale, (got - ref).abs().max()
             seq.append(int(ref.argmax()))
             out = worker.execute(StepInput((RowInput((seq[-1],), len(seq) - 1, table, True),)))
+
+
+@pytest.mark.skipif(not (kernels.load() and kernels.load().linear_bf16_fast()),
+                    reason="the native layers need AVX512-BF16")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_native_layers_match_the_python_layers_bit_for_bit(tmp_path: Path, arch: str) -> None:
+    """bf16 on CPUs: every decoder layer in one native call (llama_layers.c) runs the Python
+    layers' kernels in their order, so the logits are the same to the bit, over steps mixing
+    fresh prefill, a chunk over a cached prefix and decode."""
+    torch.manual_seed(4)
+    _make(tmp_path, arch)
+    workers = [ShardWorker(WorkerConfig(str(tmp_path), "bfloat16", num_blocks=32,
+                                        block_size=BLOCK)) for _ in range(2)]
+    workers[1].runner.model._native_layers = lambda kv_cache, meta: None  # the Python layers
+    a, b = [5, 17, 42, 7, 99, 3], list(range(40, 61))
+    ta, tb = (2, 11), (7, 3, 14, 20, 9, 16)
+    steps = [StepInput((RowInput(tuple(a), 0, ta, True), RowInput(tuple(b[:10]), 0, tb, False))),
+             StepInput((RowInput((9,), len(a), ta, True), RowInput(tuple(b[10:]), 10, tb, True)))]
+    for step in steps:
+        native, python = (w.execute(step) for w in workers)
+        assert torch.equal(native.logits, python.logits)
+    assert workers[0].runner.model._native_table[1] is not None  # the native layers ran
