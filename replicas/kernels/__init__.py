@@ -8,7 +8,8 @@ residual add and RMSNorm, `rotary.c` RoPE and the store of the step's keys and v
 cache, `activation.c` the gated MLP's silu(gate) * up. Each rounds as torch does in the model
 dtype (`dtype.h`). `linear.c` replaces torch's bf16 matmul at every size over weights packed
 once after loading (`pack_linear`): 1.4x torch at 32 rows, 1.06x at 2048, and it streams a
-single row's weights at 2.5x torch's rate.
+single row's weights at 2.5x torch's rate. `llama_layers.c` runs all of a Llama-family model's
+decoder layers of a step in one call over those kernels (`llama_layers`).
 
 The library is compiled with the machine's C compiler (`$CC`, else `cc`) for the CPU it runs on
 and cached under `$SHARDSERVE_CACHE/kernels/<hash of source, flags and CPU>`; the build is atomic,
