@@ -315,6 +315,10 @@ def llama_layers(layers: ctypes.Array, shape: LlamaShape, x: torch.Tensor, cos: 
     a decode row (block_tables [T, nb] and context_lens [T], int64): (the last layer's output,
     the residual stream after it). Bit-identical to the model's Python layers over the same
     kernels. The arrays the pointers in `layers` name must outlive the call."""
+    tensors = (cos, sin, slot_mapping, block_tables, context_lens)
+    if not all(t.is_contiguous() for t in tensors) or any(
+            t.dtype != torch.int64 for t in tensors[2:]):
+        raise ValueError("llama_layers wants contiguous cos, sin and int64 slots, tables, lens")
     x = x.contiguous()
     out, residual = torch.empty_like(x), torch.empty_like(x)
     failed = _kernel("llama_layers_bf16")(
