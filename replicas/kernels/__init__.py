@@ -298,6 +298,8 @@ class LlamaLayer(ctypes.Structure):
 
 @dataclass(frozen=True)
 class LlamaShape:
+    """The dimensions `llama_layers` computes with (one rank's: it runs only at tp 1)."""
+
     hidden: int
     heads: int
     kv_heads: int
