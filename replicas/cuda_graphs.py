@@ -17,11 +17,12 @@ the actor round trips of tp > 1), on CUDA."""
 from __future__ import annotations
 
 import bisect
+import itertools
 import time
 
 import torch
 
-from replicas import kernels
+from replicas import host_tensors, kernels
 from replicas.attention import AttentionMetadata, gather_fields
 
 BatchSizes = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -141,10 +142,10 @@ class DecodeGraphs:
         n = len(ids)
         b = self.batch_buckets[bisect.bisect_left(self.batch_buckets, n)]
         w = self.width_buckets[bisect.bisect_left(self.width_buckets, width)]
-        packed = torch.tensor([ids, positions, slots, lens], dtype=torch.long).to(
+        packed = host_tensors.int64(itertools.chain(ids, positions, slots, lens)).view(4, n).to(
             self.device, non_blocking=True)
-        rows = torch.tensor([[*t[:w], *[self.pad_block] * (w - len(t[:w]))] for t in tables],
-                            dtype=torch.long).to(self.device, non_blocking=True)
+        rows = host_tensors.padded_rows(tables, w, self.pad_block).to(self.device,
+                                                                      non_blocking=True)
         self._fill(packed, rows, b)
         self.graphs[b, w].replay()  # every bucket was captured when the worker started
         assert self.logits is not None  # set by the first capture

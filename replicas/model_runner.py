@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from replicas import kernels
+from replicas import host_tensors, kernels
 from replicas.attention import (
     AttentionMetadata,
     PrefillRow,
@@ -100,19 +100,18 @@ class ModelRunner:
                 prefill.append(PrefillRow(offset, offset + n, None))
             else:
                 ctx = (None if row.start == 0
-                       else torch.tensor(self._slots(row.block_table, 0, row.start + n)))
+                       else host_tensors.int64(self._slots(row.block_table, 0, row.start + n)))
                 prefill.append(PrefillRow(offset, offset + n, ctx))
         fields: dict = {}  # AttentionMetadata fields beyond the slot mapping
         if decode_index:
             bs = self.block_size
             # only the blocks a row's context reaches: tables may hold blocks reserved ahead
             width = -(-max(decode_lens) // bs)
-            tables = torch.tensor([t[:width] + (0,) * (width - len(t[:width]))
-                                   for t in decode_tables])
+            tables = host_tensors.padded_rows(decode_tables, width)
             if len(decode_tables) < len(decode_index):  # prefill tokens share their row's table
-                tables = tables.repeat_interleave(torch.tensor(decode_counts), dim=0)
-            lens = torch.tensor(decode_lens)
-            fields = {"decode_token_index": torch.tensor(decode_index),
+                tables = tables.repeat_interleave(host_tensors.int64(decode_counts), dim=0)
+            lens = host_tensors.int64(decode_lens)
+            fields = {"decode_token_index": host_tensors.int64(decode_index),
                       "decode_block_tables": tables, "decode_context_lens": lens,
                       "native_decode": self.native_decode}
             if not self.native_decode:
@@ -123,15 +122,15 @@ class ModelRunner:
                 fields |= gather_fields(tables, lens, heads, bs, k_buf, v_buf)
         if prefill_index:
             fields["prefill_varlen"] = VarlenPrefill(
-                torch.tensor(prefill_index), torch.tensor(kv_slots),
+                host_tensors.int64(prefill_index), host_tensors.int64(kv_slots),
                 torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32),
                 max(b - a for a, b in itertools.pairwise(cu_q)),
                 max(b - a for a, b in itertools.pairwise(cu_k)))
-        meta = AttentionMetadata(torch.tensor(slot_mapping), tuple(prefill), self.block_size,
+        meta = AttentionMetadata(host_tensors.int64(slot_mapping), tuple(prefill), self.block_size,
                                  **fields)
         if self.device.type != "cpu":
             meta = _to_device(meta, self.device)
-        return (torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
+        return (host_tensors.int64(ids).to(self.device), host_tensors.int64(positions).to(self.device),
                 meta)
 
     def _gather_buffers(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
