@@ -130,8 +130,8 @@ class ModelRunner:
                                  **fields)
         if self.device.type != "cpu":
             meta = _to_device(meta, self.device)
-        return (host_tensors.int64(ids).to(self.device), host_tensors.int64(positions).to(self.device),
-                meta)
+        return (host_tensors.int64(ids).to(self.device),
+                host_tensors.int64(positions).to(self.device), meta)
 
     def _gather_buffers(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Two flat workspaces of at least `numel` elements, grown (never shrunk) on demand."""

@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 _SOURCES = tuple(Path(__file__).with_name(name) for name in
                  ("paged_attention.c", "rms_norm.c", "rotary.c", "activation.c", "linear.c",
                   "llama_layers.c"))
-_HEADERS = tuple(Path(__file__).with_name(name) for name in ("dtype.h", "simd.h"))
+_HEADERS = tuple(Path(__file__).with_name(name) for name in ("dtype.h",))
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
