@@ -15,6 +15,8 @@ from replicas.deployment import LLMReplica
 from serve_app.config import AppConfig, ModelConfig
 from serve_app.ingress import Ingress
 
+INGRESS_MAX_ONGOING = 100_000
+
 
 def replica_deployment_name(model: ModelConfig) -> str:
     return "LLMReplica-" + re.sub(r"[^A-Za-z0-9_-]", "_", model.name)
@@ -23,7 +25,10 @@ def replica_deployment_name(model: ModelConfig) -> str:
 def replica_options(model: ModelConfig) -> dict[str, Any]:
     options: dict[str, Any] = {
         "name": replica_deployment_name(model),
-        "max_ongoing_requests": model.max_ongoing_requests,
+        # bounded queues: what the engine can hold, and a bounded wait in each caller's router
+        # beyond it (BackPressureError there: the ingress answers 503)
+        "max_ongoing_requests": model.replica_max_ongoing_requests,
+        "max_queued_requests": model.replica_max_queued_requests,
         "health_check_period_s": model.health_check_period_s,
         "request_router_config": RequestRouterConfig(
             request_router_class="replicas.router:PrefixAffinityRouter",
@@ -49,11 +54,17 @@ def replica_options(model: ModelConfig) -> dict[str, Any]:
 
 
 def build_app(config: AppConfig) -> Application:
-    handles = {m.name: LLMReplica.options(**replica_options(m)).bind(
+    grace = config.shutdown_grace_s
+    handles = {m.name: LLMReplica.options(
+        **replica_options(m), graceful_shutdown_timeout_s=grace).bind(
         m.replica_config(config.logits_processors))
                for m in config.models}
     return Ingress.options(
         num_replicas=config.ingress_num_replicas,
+        # Serve's own slot limit would queue /health behind generation work; the ingress admits
+        # generation requests itself (serve_app/admission.py), so Serve's bound only guards
+        # against a flood of connections
+        max_ongoing_requests=INGRESS_MAX_ONGOING, graceful_shutdown_timeout_s=grace,
         ray_actor_options={"num_cpus": config.ingress_num_cpus}).bind(config, handles)
 
 

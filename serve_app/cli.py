@@ -47,7 +47,21 @@ def _serve_parser(sub: Any) -> None:
                    help="no CUDA graphs for decode steps (used on CUDA at tensor-parallel size 1)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--priority-scheduling", action="store_true")
-    p.add_argument("--api-key", help="or SHARDSERVE_API_KEY")
+    p.add_argument("--api-key", action="append",
+                   help="an accepted API key (repeatable); keys on the command line show in "
+                        "`ps`: prefer --api-key-file or SHARDSERVE_API_KEY (comma-separated)")
+    p.add_argument("--api-key-file", help="a file of accepted API keys, one a line (or "
+                                          "SHARDSERVE_API_KEY_FILE)")
+    p.add_argument("--max-queue-wait-s", type=float,
+                   help="a request the engine has not scheduled this long after it arrived "
+                        "gets a 503 with Retry-After (default 30)")
+    p.add_argument("--max-requests-per-key", type=int,
+                   help="concurrent generation requests one API key may have (429 beyond)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a per-request chat_template (refused by default, as vLLM's)")
+    p.add_argument("--shutdown-grace-s", type=float,
+                   help="on SIGTERM/Ctrl-C, how long in-flight requests get to finish while "
+                        "new ones are answered 503 (default 10)")
     p.add_argument("--logits-processors", nargs="*", help="allowlisted processor names")
     p.add_argument("--ray-address", help="connect to a running cluster instead of starting Ray")
     p.add_argument("--num-cpus", type=float, help="logical CPUs for a local Ray instance")
@@ -89,7 +103,13 @@ def config_from_args(args: argparse.Namespace):
         if len(models) > 1:
             raise SystemExit("model flags apply to one model; edit the config file for several")
         data["models"] = [{**models[0], **model}]
-    for key, value in (("host", args.host), ("port", args.port), ("api_key", args.api_key),
+    if args.trust_request_chat_template:
+        data["trust_request_chat_template"] = True
+    for key, value in (("host", args.host), ("port", args.port), ("api_keys", args.api_key),
+                       ("api_key_file", args.api_key_file),
+                       ("max_queue_wait_s", args.max_queue_wait_s),
+                       ("max_requests_per_key", args.max_requests_per_key),
+                       ("shutdown_grace_s", args.shutdown_grace_s),
                        ("logits_processors", args.logits_processors)):
         if value is not None:
             data[key] = value

@@ -12,6 +12,10 @@ from replicas.deployment import ReplicaConfig
 from replicas.embedded import EMBEDDED_MODEL_ID
 
 
+def _split_keys(value: str) -> list[str]:
+    return [k.strip() for k in value.split(",") if k.strip()]
+
+
 class AutoscalingConfig(BaseModel):
     model_config = ConfigDict(extra="allow")  # passed through to Ray Serve as is
     min_replicas: int = Field(1, ge=0)
@@ -33,7 +37,9 @@ class ModelConfig(BaseModel):
     kv_cache_gib: float = Field(0.5, gt=0)
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=16)
-    max_waiting: int = Field(1024, ge=1)
+    # sequences the engine queues before it answers 503: with max_num_seqs running, the bound on
+    # what one replica holds (a burst beyond it is shed at once instead of waiting)
+    max_waiting: int = Field(256, ge=1)
     enable_prefix_caching: bool = True
     priority_scheduling: bool = False
     num_threads: int = Field(0, ge=0)
@@ -44,7 +50,10 @@ class ModelConfig(BaseModel):
     # pins shards to the nodes that advertise them
     shard_resources: dict[str, float] = Field(default_factory=dict)
     placement_group_strategy: str = Field("STRICT_PACK", pattern="^(STRICT_PACK|PACK|SPREAD|STRICT_SPREAD)$")
-    max_ongoing_requests: int = Field(256, ge=1)
+    # Ray Serve's own bounds on the replica deployment; None: from the engine's capacity
+    # (max_num_seqs + max_waiting requests in the replica, max_num_seqs more queued per caller)
+    max_ongoing_requests: int | None = Field(None, ge=1)
+    max_queued_requests: int | None = Field(None, ge=0)
     # prefix-aware routing keeps a request on the replica with its prefix unless that replica
     # has this many more requests in flight than the least loaded one
     routing_imbalance: int = Field(8, ge=0)
@@ -60,6 +69,21 @@ class ModelConfig(BaseModel):
     @property
     def name(self) -> str:
         return self.served_model_name or self.model
+
+    @property
+    def replica_max_ongoing_requests(self) -> int:
+        return self.max_ongoing_requests or self.max_num_seqs + self.max_waiting
+
+    @property
+    def replica_max_queued_requests(self) -> int:
+        return (self.max_queued_requests if self.max_queued_requests is not None
+                else self.max_num_seqs)
+
+    @property
+    def max_replicas(self) -> int:
+        if self.autoscaling_config is not None:
+            return self.autoscaling_config.max_replicas
+        return self.num_replicas
 
     def replica_config(self, logits_processors: list[str] | None = None) -> ReplicaConfig:
         return ReplicaConfig(
@@ -80,7 +104,12 @@ class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     models: list[ModelConfig] = Field(default_factory=lambda: [ModelConfig()], min_length=1)
-    api_key: str | None = Field(default_factory=lambda: os.environ.get("SHARDSERVE_API_KEY"))
+    # accepted keys; also SHARDSERVE_API_KEY (comma-separated) and a file of one key a line
+    # (api_key_file or SHARDSERVE_API_KEY_FILE, read by the ingress: keys stay out of `ps`)
+    api_keys: list[str] = Field(default_factory=lambda: _split_keys(
+        os.environ.get("SHARDSERVE_API_KEY", "")))
+    api_key_file: str | None = Field(
+        default_factory=lambda: os.environ.get("SHARDSERVE_API_KEY_FILE") or None)
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     ingress_num_replicas: int = Field(1, ge=1)
@@ -89,6 +118,17 @@ class AppConfig(BaseModel):
     max_n: int = Field(16, ge=1)
     logits_processors: list[str] = Field(default_factory=list)
     request_timeout_s: float = Field(600.0, gt=0)
+    # a request not scheduled by the engine this long after it arrived gets a 503 (Retry-After)
+    max_queue_wait_s: float = Field(30.0, gt=0)
+    # concurrent generation requests one API key may have in flight (429 beyond); None: no limit
+    max_requests_per_key: int | None = Field(None, ge=1)
+    # per-request `chat_template`s are refused unless trusted (vLLM's
+    # --trust-request-chat-template); trusted ones render in a killable worker process
+    trust_request_chat_template: bool = False
+    chat_template_timeout_s: float = Field(5.0, gt=0)
+    max_rendered_prompt_chars: int = Field(4 * 2**20, ge=1024)
+    # SIGTERM/Ctrl-C: new requests 503 while in-flight ones get this long to finish
+    shutdown_grace_s: float = Field(10.0, ge=0)
 
     @model_validator(mode="after")
     def _unique_names(self) -> "AppConfig":

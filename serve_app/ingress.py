@@ -16,13 +16,14 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from ray import serve
 
 from replicas.request import GenerateRequest, TokenBatch
 from serve_app import chat, sampling, tool_choice
+from serve_app.auth import APIKeys, read_key_file, require_api_key
 from serve_app.config import AppConfig
 from serve_app.errors import APIError, install_handlers, validation_error
 from serve_app.metrics import Metrics
@@ -42,10 +43,9 @@ from structured.spec import Constraint
 logger = logging.getLogger(__name__)
 VERSION = "0.1.0"
 MAX_JSON_DEPTH = 64
-OPEN_PATHS = {"/health", "/metrics", "/version", "/ping"}
 T = TypeVar("T", bound=BaseModel)
 
-app = FastAPI(title="shardserve", version=VERSION)
+app = FastAPI(title="shardserve", version=VERSION, dependencies=[Depends(require_api_key)])
 install_handlers(app)
 
 
@@ -126,24 +126,16 @@ class Generation:
 class Ingress:
     def __init__(self, config: AppConfig, handles: dict[str, Any]) -> None:
         self.config = config
+        keys = list(config.api_keys)
+        if config.api_key_file:
+            keys += read_key_file(config.api_key_file)
+        app.state.api_keys = APIKeys(keys)
         self.registry = ModelRegistry([load_model(m, handles[m.name]) for m in config.models])
         self.metrics = Metrics()
         self.stream_handles = {name: h.options(stream=True) for name, h in handles.items()}
 
     # ---- plumbing ------------------------------------------------------------------------------
-    def _auth(self, request: Request) -> None:
-        key = self.config.api_key
-        if not key or request.url.path in OPEN_PATHS:
-            return
-        auth = request.headers.get("authorization", "")
-        given = auth[7:].strip() if auth.lower().startswith("bearer ") else None
-        given = given or request.headers.get("x-api-key")
-        if given != key:
-            raise APIError("invalid or missing API key (send Authorization: Bearer <key> or "
-                           "x-api-key)", 401, type_="AuthenticationError")
-
     async def _parse(self, request: Request, model: type[T]) -> T:
-        self._auth(request)
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.config.max_body_bytes:
             raise APIError(f"request body larger than {self.config.max_body_bytes} bytes", 413)
@@ -229,8 +221,7 @@ class Ingress:
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
     @app.get("/v1/models")
-    async def list_models(self, request: Request) -> ModelList:
-        self._auth(request)
+    async def list_models(self) -> ModelList:
         cards = []
         for served in self.registry.models.values():
             info = await served.ensure_info()
@@ -239,8 +230,7 @@ class Ingress:
         return ModelList(data=cards)
 
     @app.get("/v1/models/{model_id:path}")
-    async def get_model(self, model_id: str, request: Request) -> ModelCard:
-        self._auth(request)
+    async def get_model(self, model_id: str) -> ModelCard:
         served = self.registry.resolve(model_id)
         info = await served.ensure_info()
         return ModelCard(id=served.name, created=served.created, root=served.config.model,

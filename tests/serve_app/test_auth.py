@@ -1,5 +1,6 @@
-"""API keys: a server started with `api_key` takes it as `Authorization: Bearer` or `x-api-key`,
-answers anything else with a 401 envelope, and leaves /health, /metrics, /version open."""
+"""API keys: a server started with keys (`api_keys`, and a key file) takes any of them as
+`Authorization: Bearer` or `x-api-key`, answers anything else with a 401 envelope, and leaves
+/health, /metrics, /version open."""
 
 from __future__ import annotations
 
@@ -12,13 +13,17 @@ from tests.conftest import SMALL_MODEL, running_app
 
 MODEL = "shardserve/tiny-llama"
 KEY = "sk-test-0123456789"
+FILE_KEY = "sk-from-a-file"
 MESSAGES = [{"role": "user", "content": "Hi"}]
 CHAT_BODY = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
 
 
 @pytest.fixture(scope="module")
-def base_url() -> str:
-    with running_app({"models": [SMALL_MODEL], "api_key": KEY}) as url:
+def base_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
+    key_file.write_text(f"# one key a line\n{FILE_KEY}\n\n")
+    with running_app({"models": [SMALL_MODEL], "api_keys": [KEY],
+                      "api_key_file": str(key_file)}) as url:
         yield url
 
 
@@ -40,6 +45,7 @@ def assert_401(r: httpx.Response) -> None:
     {"Authorization": f"Bearer   {KEY}"},
     {"x-api-key": KEY},
     {"X-API-Key": KEY, "Authorization": "Basic dXNlcjpwYXNz"},
+    {"Authorization": f"Bearer {FILE_KEY}"},
 ])
 def test_the_key_is_accepted(base_url: str, headers: dict) -> None:
     r = httpx.post(f"{base_url}/chat/completions", json=CHAT_BODY, headers=headers, timeout=60)
@@ -56,6 +62,9 @@ def test_the_key_is_accepted(base_url: str, headers: dict) -> None:
     {"x-api-key": ""},
     {"Authorization": "Bearer"},
     {"x-api-key": KEY.upper()},
+    {"x-api-key": KEY[:-1]},
+    {"x-api-key": KEY + FILE_KEY},
+    {"Authorization": "Bearer # one key a line"},
 ])
 def test_anything_else_is_401(base_url: str, headers: dict) -> None:
     assert_401(httpx.post(f"{base_url}/chat/completions", json=CHAT_BODY, headers=headers,
