@@ -8,6 +8,7 @@ blocks."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -24,6 +25,7 @@ from tokenizers import Tokenizer
 from transformers import AutoConfig
 
 from replicas.engine import Engine, EngineConfig, compute_thread
+from replicas import status_board
 from replicas.executor import InProcessExecutor, RayExecutor
 from replicas.logits_processors import load_factory
 from replicas.model_files import resolve_model_path
@@ -229,16 +231,21 @@ class LLMServer:
 
     def stats(self) -> dict:
         e = self.engine
-        return {"num_running": e.num_running, "num_waiting": e.num_waiting,
+        return {"max_model_len": self.max_model_len, "vocab_size": self.vocab_size,
+                "num_running": e.num_running, "num_waiting": e.num_waiting,
                 "kv_cache_usage": e.blocks.usage, "num_used_blocks": e.blocks.num_used_blocks,
                 "preemptions": e.scheduler.num_preemptions,
-                **asdict(e.stats)}
+                **asdict(e.stats), **e.health()}
 
 
 @serve.deployment(max_ongoing_requests=256, health_check_period_s=10, health_check_timeout_s=60)
 class LLMReplica:
-    def __init__(self, config: ReplicaConfig) -> None:
+    def __init__(self, config: ReplicaConfig, model_name: str) -> None:
         self.server = LLMServer(config)
+        # the engine's state, for /health and /metrics, on a path of its own (no request slot)
+        ctx = serve.get_replica_context()
+        self._reporter = asyncio.get_running_loop().create_task(status_board.publish_forever(
+            ctx.app_name, model_name, ctx.replica_id.unique_id, self.server.stats))
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[tuple[TokenBatch, ...]]:
         async with contextlib.aclosing(self.server.generate(request)) as stream:
@@ -252,7 +259,12 @@ class LLMReplica:
         return self.server.stats()
 
     def check_health(self) -> None:
+        """Serve replaces the replica when this raises: the engine failed, its loop ended, a
+        step is wedged, or a shard is gone."""
         engine = self.server.engine
-        if engine.failed is not None:
-            raise RuntimeError(f"engine failed: {engine.failed}")
+        health = engine.health()
+        if health["failed"] is not None:
+            raise RuntimeError(f"engine failed: {health['failed']}")
+        if health["stalled"]:
+            raise RuntimeError(f"an engine step has run for {health['step_running_s']:.0f} s")
         engine.executor.check_health()

@@ -61,6 +61,14 @@ class EngineStats:
     prefill_steps: int = 0
     prefill_step_s: float = 0.0
     forced_tokens: int = 0  # jump-forward: tokens appended without a decode step of their own
+    # requests turned away: the waiting queue was full / not scheduled by their deadline
+    rejected_queue_full: int = 0
+    rejected_queue_wait: int = 0
+
+
+# a step running longer than this means the engine is wedged (health turns red)
+STEP_STALL_S = 120.0
+RETRY_AFTER_S = 1  # what a 503 for overload tells clients to wait
 
 
 class Engine:
@@ -87,6 +95,10 @@ class Engine:
         self._requests: dict[str, list[Sequence]] = {}
         self._outboxes: dict[str, Outbox] = {}
         self._aborted: set[str] = set()
+        # request id -> time.monotonic() by which it must be scheduled (only until it is)
+        self._deadlines: dict[str, float] = {}
+        self._step_started: float | None = None  # time.monotonic() of the step in flight
+        self.last_step_end = time.monotonic()
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self.failed: str | None = None  # set when a step fails: the shards may be gone
@@ -96,7 +108,8 @@ class Engine:
         """Queues a request; `compiled` (a structured.compiler.Compiled) when it is constrained."""
         if self.failed is not None:
             raise EngineError(f"the model replica failed and is being replaced: {self.failed}",
-                              status=503, type_="ServiceUnavailableError")
+                              status=503, type_="ServiceUnavailableError",
+                              retry_after=RETRY_AFTER_S)
         if request.request_id in self._requests:
             raise EngineError(f"request id {request.request_id!r} is already running",
                               param="request_id")
@@ -110,8 +123,10 @@ class Engine:
                 f"({n_prompt} in the messages, {request.params.max_tokens} in the completion).",
                 param="max_tokens")
         if len(self.scheduler.waiting) + request.n > self.config.max_waiting:
+            self.stats.rejected_queue_full += 1
             raise EngineError("the server is overloaded: too many requests waiting; retry later",
-                              status=429, type_="RateLimitError")
+                              status=503, type_="ServiceUnavailableError",
+                              retry_after=RETRY_AFTER_S)
         self._ensure_loop()
         now = time.monotonic()
         seqs = []
@@ -133,6 +148,8 @@ class Engine:
         outbox = Outbox()
         self._requests[request.request_id] = seqs
         self._outboxes[request.request_id] = outbox
+        if request.deadline is not None:
+            self._deadlines[request.request_id] = now + (request.deadline - time.time())
         self._wakeup.set()
         return outbox
 
@@ -171,21 +188,65 @@ class Engine:
         if task is None or task.done() or task.get_loop() is not loop:
             self._wakeup = asyncio.Event()  # an Event binds to the loop that first waits on it
             self._loop_task = loop.create_task(self._run())
+            self._loop_task.add_done_callback(self._on_loop_exit)
+
+    def _on_loop_exit(self, task: asyncio.Task) -> None:
+        """The loop only ends by an error outside a step (or cancellation at shutdown): nothing
+        would serve the requests it holds, so they fail now and health turns red."""
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is None:
+            return
+        logger.error("engine loop ended", exc_info=exc)
+        self.failed = f"the engine loop ended: {type(exc).__name__}: {exc}"
+        error = EngineError(f"the model replica failed: {self.failed}", status=503,
+                            type_="ServiceUnavailableError", retry_after=RETRY_AFTER_S)
+        for request_id in list(self._requests):
+            self._fail(request_id, error)
+
+    def health(self) -> dict[str, Any]:
+        """The truth for /health: the loop is alive, and no step has run for too long."""
+        task = self._loop_task
+        step_for = (time.monotonic() - self._step_started
+                    if self._step_started is not None else 0.0)
+        return {"failed": self.failed,
+                "loop_alive": task is None or not task.done(),
+                "step_running_s": step_for, "stalled": step_for > STEP_STALL_S,
+                "since_last_step_s": time.monotonic() - self.last_step_end}
+
+    def _expire_waiting(self) -> None:
+        """Fails requests the scheduler has not started by their deadline (503, Retry-After)."""
+        if not self._deadlines:
+            return
+        now = time.monotonic()
+        for request_id in [r for r, d in self._deadlines.items() if d <= now]:
+            del self._deadlines[request_id]
+            self.stats.rejected_queue_wait += 1
+            self._fail(request_id, EngineError(
+                "the server is overloaded: the request was not scheduled within the queue-wait "
+                "limit; retry later", status=503, type_="ServiceUnavailableError",
+                retry_after=RETRY_AFTER_S))
 
     async def _run(self) -> None:
         while True:
             self._reap_aborted()
+            self._expire_waiting()
             if not self.scheduler.has_work():
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
             scheduled = self.scheduler.schedule()
+            if self._deadlines:
+                for s in scheduled:
+                    self._deadlines.pop(s.seq.request_id, None)
             if not scheduled:
                 await asyncio.sleep(0.001)
                 continue
             try:
                 loop = asyncio.get_running_loop()
                 started = time.perf_counter()
+                self._step_started = time.monotonic()
                 sampling = [s.seq for s in scheduled if s.samples]
                 masks: concurrent.futures.Future = concurrent.futures.Future()
                 work = loop.run_in_executor(self.compute, self._compute_step,
@@ -197,9 +258,12 @@ class Engine:
                 except Exception as exc:
                     masks.set_exception(exc)
                 out, result = await work
+                self._step_started = None
+                self.last_step_end = time.monotonic()
                 self._account(scheduled, time.perf_counter() - started)
                 self._postprocess(scheduled, out, sampling, result)
             except Exception as exc:
+                self._step_started = None
                 logger.exception("engine step failed")
                 await self._on_step_failure(exc, scheduled)
 
@@ -211,7 +275,7 @@ class Engine:
         except Exception as health_exc:
             self.failed = f"{type(health_exc).__name__}: {health_exc}"
             error = EngineError(f"the model replica failed: {self.failed}", status=503,
-                                type_="ServiceUnavailableError")
+                                type_="ServiceUnavailableError", retry_after=RETRY_AFTER_S)
             for request_id in list(self._requests):
                 self._fail(request_id, error)
             return
@@ -223,9 +287,11 @@ class Engine:
             for seq in self._requests.pop(request_id, []):
                 self.scheduler.remove(seq)
             self._outboxes.pop(request_id, None)
+            self._deadlines.pop(request_id, None)
         self._aborted.clear()
 
     def _fail(self, request_id: str, exc: BaseException) -> None:
+        self._deadlines.pop(request_id, None)
         outbox = self._outboxes.pop(request_id, None)
         for seq in self._requests.pop(request_id, []):
             self.scheduler.remove(seq)
@@ -367,3 +433,4 @@ class Engine:
             if all(s.is_finished for s in seqs):
                 self._requests.pop(seq.request_id, None)
                 self._outboxes.pop(seq.request_id, None)
+                self._deadlines.pop(seq.request_id, None)

@@ -55,6 +55,9 @@ class GenerateRequest:
     cache_salt: str | None = None
     # the constraint starts after this token (a reasoning model's end-of-thinking token)
     constraint_after: int | None = None
+    # time.time() by which the engine must have scheduled the request, or it fails with a 503
+    # (the ingress sets it on arrival, so time queued in Serve's router counts too)
+    deadline: float | None = None
 
 
 @dataclass(frozen=True)
@@ -83,12 +86,17 @@ class EngineError(Exception):
     """An error the ingress renders as an OpenAI error envelope with this HTTP status."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 type_: str = "BadRequestError") -> None:
+                 type_: str = "BadRequestError", retry_after: int | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
         self.type = type_
+        self.retry_after = retry_after  # seconds, for 429/503: the Retry-After header
+
+    def __reduce__(self) -> tuple:  # keep every field across the Ray hop
+        return (EngineError, (self.message, self.status, self.param, self.type,
+                              self.retry_after))
 
 
 class SequenceStatus(enum.Enum):

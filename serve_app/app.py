@@ -57,7 +57,7 @@ def build_app(config: AppConfig) -> Application:
     grace = config.shutdown_grace_s
     handles = {m.name: LLMReplica.options(
         **replica_options(m), graceful_shutdown_timeout_s=grace).bind(
-        m.replica_config(config.logits_processors))
+        m.replica_config(config.logits_processors), m.name)
                for m in config.models}
     return Ingress.options(
         num_replicas=config.ingress_num_replicas,

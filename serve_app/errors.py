@@ -25,12 +25,14 @@ _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDe
 
 class APIError(Exception):
     def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 type_: str | None = None) -> None:
+                 type_: str | None = None, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
         self.type = type_ or _TYPES.get(status, "BadRequestError")
+        # seconds, sent as Retry-After (429/503): the openai SDK waits that long before retrying
+        self.retry_after = retry_after
 
     @classmethod
     def from_exception(cls, exc: BaseException) -> "APIError":
@@ -39,7 +41,8 @@ class APIError(Exception):
             return exc
         for e in (exc, getattr(exc, "cause", None), exc.__cause__):
             if isinstance(e, EngineError):
-                return cls(e.message, e.status, e.param, e.type)
+                return cls(e.message, e.status, e.param, e.type,
+                           getattr(e, "retry_after", None))
             if e is not None and type(e).__name__ == "ConstraintError":
                 return cls(str(getattr(e, "message", e)), 400, getattr(e, "param", None))
         logger.error("internal error", exc_info=exc)
@@ -50,7 +53,8 @@ class APIError(Exception):
                           "code": self.status}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
     def sse(self) -> str:
         return f"data: {json.dumps(self.body())}\n\n"

@@ -13,6 +13,7 @@ import json
 import logging
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
@@ -20,9 +21,12 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from ray import serve
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from replicas.request import GenerateRequest, TokenBatch
-from serve_app import chat, sampling, tool_choice
+from replicas.status_board import BoardReader, app_name_here
+from serve_app import admission, chat, sampling, tool_choice
+from serve_app.admission import Admission, Ticket
 from serve_app.auth import APIKeys, read_key_file, require_api_key
 from serve_app.config import AppConfig
 from serve_app.errors import APIError, install_handlers, validation_error
@@ -43,6 +47,10 @@ from structured.spec import Constraint
 logger = logging.getLogger(__name__)
 VERSION = "0.1.0"
 MAX_JSON_DEPTH = 64
+# after its queue-wait deadline, the engine has failed an unscheduled request itself; this is
+# how much longer the ingress waits for a first output (a prefill that started just in time)
+# before it gives up on a call that never reached an engine
+FIRST_OUTPUT_GRACE_S = 1.0
 T = TypeVar("T", bound=BaseModel)
 
 app = FastAPI(title="shardserve", version=VERSION, dependencies=[Depends(require_api_key)])
@@ -100,16 +108,25 @@ class Generation:
         """Feeds every batch to its choice's state and yields the deltas, until every choice is
         done or `timeout` passes; failures come out as APIError (408 for the timeout). The call
         is cancelled when this ends, however it ends, so the replica frees the request."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        batches_in = aiter(self)
         try:
-            async with asyncio.timeout(timeout):
-                async for batches in self:
-                    for b in batches:
-                        st = states[b.choice_index]
-                        delta = st.on_batch(b)
-                        if delta is not None:
-                            yield st, delta
-                    if all(s.done for s in states):
-                        break
+            while True:
+                # the limit covers only the wait for the next batch: a timeout around the
+                # yields would fire in whatever the consumer does between them
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        batches = await anext(batches_in)
+                except StopAsyncIteration:
+                    break
+                for b in batches:
+                    st = states[b.choice_index]
+                    delta = st.on_batch(b)
+                    if delta is not None:
+                        yield st, delta
+                if all(s.done for s in states):
+                    break
         except TimeoutError:
             raise APIError(f"the request took longer than its {timeout:g} s timeout", 408,
                            param="inference_timeout") from None
@@ -119,6 +136,8 @@ class Generation:
             raise APIError.from_exception(exc) from None
         finally:
             self.cancel()
+            with contextlib.suppress(Exception):
+                await batches_in.aclose()
 
 
 @serve.deployment(max_ongoing_requests=512, ray_actor_options={"num_cpus": 0.25})
@@ -132,6 +151,11 @@ class Ingress:
         app.state.api_keys = APIKeys(keys)
         self.registry = ModelRegistry([load_model(m, handles[m.name]) for m in config.models])
         self.metrics = Metrics()
+        self.admission = Admission(config)
+        # the replicas' engine state, kept fresh off the request path (/health, /metrics)
+        self.board = BoardReader(app_name_here())
+        with contextlib.suppress(RuntimeError):  # no running loop outside Serve
+            self.board.start()
         self.stream_handles = {name: h.options(stream=True) for name, h in handles.items()}
 
     # ---- plumbing ------------------------------------------------------------------------------
@@ -162,23 +186,62 @@ class Ingress:
         except ValidationError as exc:
             raise validation_error(exc) from None  # type: ignore[arg-type]
 
+    async def _info(self, served: ServedModel) -> dict[str, Any]:
+        """The replica's model facts: from the status board when it has them (no request slot
+        needed), else one call to a replica."""
+        if served.info is None:
+            for stats in self.board.fresh(served.name):
+                if "max_model_len" in stats:
+                    served.info = {"max_model_len": stats["max_model_len"],
+                                   "vocab_size": stats["vocab_size"]}
+                    break
+        return await served.ensure_info()
+
     async def _limits(self, served: ServedModel) -> sampling.ServerLimits:
-        info = await served.ensure_info()
+        info = await self._info(served)
         return sampling.ServerLimits(
             info["max_model_len"], min(info["vocab_size"], len(served.tokenizer)),
             self.config.max_n, served.config.priority_scheduling,
             frozenset(self.config.logits_processors))
 
+    def _admit(self, served: ServedModel, request: Request) -> Ticket:
+        return self.admission.admit(served.name, getattr(request.state, "api_key", None))
+
     async def _start(self, served: ServedModel, gen: GenerateRequest) -> Generation:
+        """Sends the request to a replica and waits for its first output, within the request's
+        queue-wait deadline (plus a grace for a prefill that started just in time)."""
         call = self.stream_handles[served.name].generate.remote(gen)
+        wait = max(0.0, (gen.deadline or time.time()) - time.time()) + FIRST_OUTPUT_GRACE_S
         try:
-            first = await call.__anext__()
+            async with asyncio.timeout(wait):
+                first = await call.__anext__()
         except StopAsyncIteration:
             raise APIError("the engine returned no output", 500) from None
         except Exception as exc:
             call.cancel()
-            raise APIError.from_exception(exc) from None
+            raise self._rejection(served, exc) from None
         return Generation(call, first)
+
+    def _rejection(self, served: ServedModel, exc: BaseException) -> APIError:
+        """Maps a failed start to its error, counting the ingress's overload refusals."""
+        reason = None
+        if isinstance(exc, TimeoutError):
+            reason, error = admission.QUEUE_WAIT, APIError(
+                "the server is overloaded: the request was not scheduled within the queue-wait "
+                "limit; retry later", 503, retry_after=admission.RETRY_AFTER_S)
+        elif isinstance(exc, BackPressureError):
+            reason, error = admission.ROUTER_QUEUE_FULL, APIError(
+                "the server is overloaded: the model's request queue is full; retry later", 503,
+                retry_after=admission.RETRY_AFTER_S)
+        elif isinstance(exc, DeploymentUnavailableError):
+            reason, error = admission.REPLICA_UNAVAILABLE, APIError(
+                "no replica of the model is available; retry later", 503,
+                retry_after=admission.RETRY_AFTER_S)
+        else:  # the engine's own refusals are counted by the engine
+            error = APIError.from_exception(exc)
+        if reason is not None:
+            self.admission.count_rejection(served.name, reason)
+        return error
 
     @staticmethod
     def _id_header(body: Any, request: Request) -> dict[str, str]:
@@ -195,11 +258,19 @@ class Ingress:
     # ---- routes --------------------------------------------------------------------------------
     @app.get("/health")
     async def health(self) -> Response:
-        try:
-            for served in self.registry.models.values():
-                await asyncio.wait_for(served.handle.stats.remote(), timeout=10)
-        except Exception as exc:
-            return APIError(f"model replicas are not answering: {type(exc).__name__}", 503).response()
+        """200 when every model has a replica whose engine loop is alive and not wedged, as its
+        last report (at most a few seconds old) says; answered from the local snapshot, so it
+        never waits behind generation work."""
+        self.board.start()
+        for served in self.registry.models.values():
+            reports = self.board.fresh(served.name)
+            if not reports:
+                return APIError(f"no replica of {served.name} has reported its state in the last "
+                                "few seconds", 503).response()
+            if not any(r["failed"] is None and r["loop_alive"] and not r["stalled"]
+                       for r in reports):
+                why = next((r["failed"] for r in reports if r["failed"]), None) or "wedged"
+                return APIError(f"no healthy replica of {served.name}: {why}", 503).response()
         return Response(status_code=200)
 
     @app.get("/ping")
@@ -212,19 +283,17 @@ class Ingress:
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
+        self.board.start()
         for served in self.registry.models.values():
-            try:
-                stats = await asyncio.wait_for(served.handle.stats.remote(), timeout=5)
-            except Exception:
-                continue
-            self.metrics.set_engine_stats(served.name, stats)
+            self.metrics.set_engine_stats(served.name, self.board.fresh(served.name))
+            self.metrics.set_admission(served.name, self.admission)
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
     @app.get("/v1/models")
     async def list_models(self) -> ModelList:
         cards = []
         for served in self.registry.models.values():
-            info = await served.ensure_info()
+            info = await self._info(served)
             cards.append(ModelCard(id=served.name, created=served.created, root=served.config.model,
                                    max_model_len=info["max_model_len"]))
         return ModelList(data=cards)
@@ -232,7 +301,7 @@ class Ingress:
     @app.get("/v1/models/{model_id:path}")
     async def get_model(self, model_id: str) -> ModelCard:
         served = self.registry.resolve(model_id)
-        info = await served.ensure_info()
+        info = await self._info(served)
         return ModelCard(id=served.name, created=served.created, root=served.config.model,
                          max_model_len=info["max_model_len"])
 
@@ -240,7 +309,7 @@ class Ingress:
     async def tokenize(self, request: Request) -> dict:
         body = await self._parse(request, TokenizeRequest)
         served = self.registry.resolve(body.model)
-        info = await served.ensure_info()
+        info = await self._info(served)
         if (body.prompt is None) == (body.messages is None):
             raise APIError("give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
@@ -272,10 +341,40 @@ class Ingress:
                            param="tokens")
         return {"prompt": served.tokenizer.decode(body.tokens)}
 
+    @staticmethod
+    async def _admitted(ticket: Ticket, handler: Any) -> Response:
+        """Runs a generation route's handler for an admitted request; its place is given back
+        when the response is complete (a stream: when it ends, however it ends)."""
+        try:
+            response = await handler
+        except BaseException:
+            ticket.release()
+            raise
+        if not isinstance(response, StreamingResponse):
+            ticket.release()
+            return response
+        body = response.body_iterator
+
+        async def stream() -> AsyncIterator[Any]:
+            try:
+                async for part in body:
+                    yield part
+            finally:
+                ticket.release()
+        response.body_iterator = stream()
+        # a stream the server never starts (the client left first) never runs its finally
+        weakref.finalize(response.body_iterator, ticket.release)
+        return response
+
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         body = await self._parse(request, ChatCompletionRequest)
         served = self.registry.resolve(body.model)
+        ticket = self._admit(served, request)
+        return await self._admitted(ticket, self._chat(request, body, served, ticket))
+
+    async def _chat(self, request: Request, body: ChatCompletionRequest, served: ServedModel,
+                    ticket: Ticket) -> Response:
         limits = await self._limits(served)
         rendered = chat.render_request(served.tokenizer, body)
         ids = chat.truncate(rendered.token_ids, body.truncate_prompt_tokens, limits.max_model_len)
@@ -301,7 +400,7 @@ class Ingress:
         if constraint is not None and in_think:
             constraint_after = served.tokenizer.convert_tokens_to_ids("</think>")
         gen = GenerateRequest(rid, tuple(ids), params, constraint, n_gen, body.priority,
-                              body.cache_salt, constraint_after)
+                              body.cache_salt, constraint_after, ticket.deadline)
         started = time.monotonic()
         generation = await self._start(served, gen)
         parse_tools = bool(body.tools) and body.tool_choice != "none"
@@ -434,6 +533,11 @@ class Ingress:
     async def completions(self, request: Request) -> Response:
         body = await self._parse(request, CompletionRequest)
         served = self.registry.resolve(body.model)
+        ticket = self._admit(served, request)
+        return await self._admitted(ticket, self._complete(request, body, served, ticket))
+
+    async def _complete(self, request: Request, body: CompletionRequest, served: ServedModel,
+                        ticket: Ticket) -> Response:
         limits = await self._limits(served)
         prompts = self._prompts(body, served, limits)
         if len(prompts) > 1 and body.stream:
@@ -454,7 +558,10 @@ class Ingress:
         for p_index, (ids, (params, options)) in enumerate(zip(prompts, built)):
             n_gen = options.best_of or body.n
             gen = GenerateRequest(f"{rid}-{p_index}", tuple(ids), params, constraint, n_gen,
-                                  body.priority, body.cache_salt)
+                                  body.priority, body.cache_salt,
+                                  # each prompt is its own engine request, started in turn
+                                  deadline=ticket.deadline if p_index == 0
+                                  else time.time() + self.config.max_queue_wait_s)
             generation = await self._start(served, gen)
             token_text = TokenText(served.tokenizer, options.return_tokens_as_token_ids)
             states = [ChoiceState(i, served.tokenizer, served.fast, options,

@@ -1,7 +1,11 @@
 """Prometheus metrics with vLLM's names (`vllm:...`), so existing vLLM dashboards work unchanged.
 
 Request-level histograms are observed in the ingress; engine gauges (running, waiting, KV-cache
-usage) and token counters are read from the replicas' stats at scrape time."""
+usage) and token counters come from the replicas' latest reports on the status board, summed over
+a model's replicas at scrape time. Every queue has a gauge: the ingress's admitted requests
+(`shardserve:ingress_requests_in_flight` against `shardserve:ingress_admission_limit`), the
+engines' running and waiting sequences; and every refusal is counted by reason
+(`shardserve:requests_rejected_total`)."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self._engine_rejected: dict[str, dict[str, float]] = {}
         label = ["model_name"]
         self.running = Gauge("vllm:num_requests_running", "Sequences running", label, registry=r)
         self.waiting = Gauge("vllm:num_requests_waiting", "Sequences waiting", label, registry=r)
@@ -45,6 +50,19 @@ class Metrics:
         self.request_generation = Histogram(
             "vllm:request_generation_tokens", "Generated tokens per request", label,
             buckets=(16, 64, 256, 1024, 4096, 16384), registry=r)
+        self.in_flight = Gauge("shardserve:ingress_requests_in_flight",
+                               "Generation requests this ingress has admitted and not finished",
+                               label, registry=r)
+        self.admission_limit = Gauge("shardserve:ingress_admission_limit",
+                                     "Generation requests this ingress admits before a 503",
+                                     label, registry=r)
+        self.replicas = Gauge("shardserve:replicas_reporting",
+                              "Model replicas whose state reached the ingress recently", label,
+                              registry=r)
+        # counts, set from the ingress's and the engines' own counters at scrape time
+        self.rejected = Gauge("shardserve:requests_rejected_total",
+                              "Requests turned away (429/503), by reason", label + ["reason"],
+                              registry=r)
         self.content_type = CONTENT_TYPE_LATEST
 
     def observe_first_token(self, model: str, started: float) -> None:
@@ -62,14 +80,35 @@ class Metrics:
                 self.tpot.labels(model).observe(elapsed / n)
             self.success.labels(model, st.finish_reason or "abort").inc()
 
-    def set_engine_stats(self, model: str, stats: dict[str, Any]) -> None:
-        self.running.labels(model).set(stats["num_running"])
-        self.waiting.labels(model).set(stats["num_waiting"])
-        self.kv_usage.labels(model).set(stats["kv_cache_usage"])
-        self.prompt_tokens.labels(model).set(stats["prompt_tokens"])
-        self.generation_tokens.labels(model).set(stats["generation_tokens"])
-        self.preemptions.labels(model).set(stats["preemptions"])
-        self.forced.labels(model).set(stats["forced_tokens"])
+    def set_engine_stats(self, model: str, reports: list[dict[str, Any]]) -> None:
+        """From the model's replicas' latest reports (none: the gauges keep their values)."""
+        self.replicas.labels(model).set(len(reports))
+        if not reports:
+            return
+
+        def total(key: str) -> float:
+            return sum(r[key] for r in reports)
+        self.running.labels(model).set(total("num_running"))
+        self.waiting.labels(model).set(total("num_waiting"))
+        self.kv_usage.labels(model).set(total("kv_cache_usage") / len(reports))
+        self.prompt_tokens.labels(model).set(total("prompt_tokens"))
+        self.generation_tokens.labels(model).set(total("generation_tokens"))
+        self.preemptions.labels(model).set(total("preemptions"))
+        self.forced.labels(model).set(total("forced_tokens"))
+        self._engine_rejected[model] = {
+            "engine_queue_full": total("rejected_queue_full"),
+            "queue_wait": total("rejected_queue_wait")}
+
+    def set_admission(self, model: str, admission: Any) -> None:
+        """The ingress's queue and its refusals (serve_app/admission.py), plus the engines'."""
+        self.in_flight.labels(model).set(admission.in_flight[model])
+        self.admission_limit.labels(model).set(admission.limits[model])
+        counts: dict[str, float] = dict(self._engine_rejected.get(model, {}))
+        for (m, reason), n in admission.rejected.items():
+            if m == model:
+                counts[reason] = counts.get(reason, 0) + n
+        for reason, n in counts.items():
+            self.rejected.labels(model, reason).set(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

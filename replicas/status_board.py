@@ -1,0 +1,131 @@
+"""The status board: where model replicas publish their engine's state and the ingress reads it.
+
+`/health` and `/metrics` must answer at peak, and every call through a model deployment's handle
+takes one of the replica's request slots (`max_ongoing_requests`) and waits in its router's queue
+behind generation work. So the state travels on a path of its own: each replica pushes a small
+stats dict every `REPORT_PERIOD_S` to one named, CPU-less async actor per application, and each
+ingress replica pulls the whole board on the same period into a local snapshot that its routes
+read without awaiting anything.
+
+The board is owned by whichever process created it first; if that process goes away the board
+goes with it, and the next report or read creates it again (`get_if_exists`), so nothing outlives
+the application."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+logger = logging.getLogger(__name__)
+
+REPORT_PERIOD_S = 0.5
+# a replica whose last report is older than this is taken as gone (its process died or its
+# event loop is wedged)
+STALE_AFTER_S = 5.0
+NAMESPACE = "shardserve"
+
+
+@ray.remote(num_cpus=0, max_concurrency=1000)
+class StatusBoard:
+    def __init__(self) -> None:
+        self.reports: dict[str, dict[str, tuple[float, dict[str, Any]]]] = {}
+
+    async def report(self, model: str, replica: str, stats: dict[str, Any]) -> None:
+        self.reports.setdefault(model, {})[replica] = (time.time(), stats)
+
+    async def forget(self, model: str, replica: str) -> None:
+        self.reports.get(model, {}).pop(replica, None)
+
+    async def read(self) -> dict[str, dict[str, tuple[float, dict[str, Any]]]]:
+        now = time.time()
+        for replicas in self.reports.values():  # replicas gone for good stop being reported
+            for replica in [r for r, (t, _) in replicas.items() if now - t > 10 * STALE_AFTER_S]:
+                del replicas[replica]
+        return self.reports
+
+
+def board_name(app_name: str) -> str:
+    return f"status-board-{app_name}"
+
+
+def get_board(app_name: str) -> Any:
+    return StatusBoard.options(name=board_name(app_name), namespace=NAMESPACE,
+                               get_if_exists=True).remote()
+
+
+def app_name_here(default: str = "shardserve") -> str:
+    """The Serve application this replica belongs to (the default outside Serve)."""
+    try:
+        from ray import serve
+        return serve.get_replica_context().app_name or default
+    except Exception:  # not inside a Serve replica (unit tests, `bench engine`)
+        return default
+
+
+async def publish_forever(app_name: str, model: str, replica: str,
+                          stats: Callable[[], dict[str, Any]]) -> None:
+    """A replica's reporter task: pushes `stats()` every period until cancelled."""
+    board = None
+    while True:
+        try:
+            if board is None:
+                board = get_board(app_name)
+            await asyncio.wait_for(board.report.remote(model, replica, stats()),
+                                   timeout=STALE_AFTER_S)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the board went with its owner, or Ray is shutting down
+            logger.debug("status report failed: %s", exc)
+            board = None
+        await asyncio.sleep(REPORT_PERIOD_S)
+
+
+class BoardReader:
+    """The ingress side: a background task keeps `snapshot` (model -> replica -> (reported at,
+    stats)) fresh; routes read it directly."""
+
+    def __init__(self, app_name: str) -> None:
+        self.app_name = app_name
+        self.snapshot: dict[str, dict[str, tuple[float, dict[str, Any]]]] = {}
+        self.read_at = 0.0  # time.time() of the last successful read
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        board = None
+        while True:
+            try:
+                if board is None:
+                    board = get_board(self.app_name)
+                self.snapshot = await asyncio.wait_for(board.read.remote(),
+                                                       timeout=STALE_AFTER_S)
+                self.read_at = time.time()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                logger.debug("status board read failed: %s", exc)
+                board = None
+            await asyncio.sleep(REPORT_PERIOD_S)
+
+    def fresh(self, model: str) -> list[dict[str, Any]]:
+        """The stats of the model's replicas that reported recently."""
+        now = time.time()
+        if now - self.read_at > STALE_AFTER_S:
+            return []
+        return [stats for t, stats in self.snapshot.get(model, {}).values()
+                if now - t <= STALE_AFTER_S]
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
