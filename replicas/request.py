@@ -131,6 +131,8 @@ class Sequence:
     logits_processors: list[Any] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # replicas.sampler.RowTables: the request's lists as tensors, made on the first step
+    sampling_tables: Any = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -1,10 +1,14 @@
 """Batched sampling: one set of tensor operations per step for all rows.
 
-Order, as in vLLM: logprobs of the raw logits; then allowed-token masks, constraint bitmasks, bad
+Order, as in vLLM: logprobs of the raw logits; then constraint bitmasks, allowed-token masks, bad
 words, min-tokens EOS bans, logit bias, repetition/presence/frequency penalties, temperature,
 min-p, top-k, top-p; then one exponential race (argmax of p / q with q ~ Exp(1)) draws every row
 at once. Seeded rows draw their q from their own generator, so a seed gives the same tokens
 whatever else shares the batch.
+
+A request's lists (allowed_token_ids, logit_bias, bad words, stop_token_ids) become tensors once,
+on its sequence's first step (`RowTables`), so a step costs a few tensor operations per row that
+has them, whatever their lengths: every row of the batch waits for the step.
 
 The logits may live on the GPU (an in-process worker leaves them there): every tensor here is made
 on the logits' device and branch decisions are taken from the requests' parameters in Python, so
@@ -16,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from replicas.request import Sequence, TokenLogprob
+from replicas.host_tensors import int64
+from replicas.request import SamplingParams, Sequence, TokenLogprob
 
 _NEG_INF = float("-inf")
 
@@ -52,45 +57,109 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     logits -= frequency * out_counts + presence * (out_counts > 0)
 
 
-def _ban_rows(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int]) -> None:
+class BadWordPrefixes:
+    """Multi-token bad words keyed by their prefixes read backwards from the newest token: a step
+    walks back only while some prefix still matches the output's tail (most steps: one lookup),
+    so the cost does not grow with the number of words."""
+
+    __slots__ = ("children", "banned")
+
+    def __init__(self) -> None:
+        self.children: dict[int, BadWordPrefixes] = {}
+        self.banned: list[int] = []  # last tokens of the words whose prefix ends here
+
+    def add(self, word: tuple[int, ...]) -> None:
+        node = self
+        for token in reversed(word[:-1]):
+            node = node.children.setdefault(token, BadWordPrefixes())
+        node.banned.append(word[-1])
+
+    def banned_after(self, token_ids: list[int], num_output: int) -> list[int]:
+        """The tokens that would complete a bad word after the output's last `num_output`
+        tokens (a word's prefix must lie within the output, as in vLLM)."""
+        out: list[int] = []
+        node: BadWordPrefixes | None = self
+        for back in range(1, num_output + 1):
+            node = node.children.get(token_ids[-back])
+            if node is None:
+                break
+            out.extend(node.banned)
+        return out
+
+
+@dataclass(frozen=True)
+class RowTables:
+    """One sequence's per-request lists as the sampler applies them, on the logits' device."""
+
+    disallowed: torch.Tensor | None = None  # [V] bool: what allowed_token_ids leaves out
+    bias_ids: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
+    banned: torch.Tensor | None = None  # single-token bad words
+    early_stops: torch.Tensor | None = None  # EOS and stop_token_ids, banned before min_tokens
+    prefixes: BadWordPrefixes | None = None  # multi-token bad words
+
+    @property
+    def empty(self) -> bool:
+        return (self.disallowed is None and self.bias_ids is None and self.banned is None
+                and self.early_stops is None and self.prefixes is None)
+
+    @classmethod
+    def build(cls, p: SamplingParams, eos_ids: frozenset[int], vocab: int,
+              device: torch.device) -> RowTables:
+        disallowed = None
+        if p.allowed_token_ids is not None:
+            disallowed = torch.ones(vocab, dtype=torch.bool)
+            disallowed[int64(p.allowed_token_ids)] = False
+            disallowed = disallowed.to(device)
+        bias_ids = bias_values = None
+        if p.logit_bias:
+            bias_ids = int64(t for t, _ in p.logit_bias).to(device)
+            bias_values = torch.tensor([b for _, b in p.logit_bias]).to(device)
+        single = [w[0] for w in p.bad_words_token_ids if len(w) == 1]
+        prefixes = None
+        for word in p.bad_words_token_ids:
+            if len(word) > 1:
+                prefixes = prefixes or BadWordPrefixes()
+                prefixes.add(word)
+        early_stops = None
+        if p.min_tokens > 0:
+            early_stops = int64(sorted({*eos_ids, *p.stop_token_ids})).to(device)
+        return cls(disallowed, bias_ids, bias_values,
+                   int64(single).to(device) if single else None, early_stops, prefixes)
+
+
+def tables_of(s: Sequence, eos_ids: frozenset[int], vocab: int,
+              device: torch.device) -> RowTables:
+    if s.sampling_tables is None:
+        s.sampling_tables = RowTables.build(s.params, eos_ids, vocab, device)
+    return s.sampling_tables
+
+
+def _request_lists(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int]) -> None:
+    """allowed_token_ids, bad words, min_tokens' bans of EOS and stop_token_ids, logit_bias."""
+    vocab, dev = logits.shape[1], logits.device
     rows: list[int] = []
     cols: list[int] = []
     for i, s in enumerate(seqs):
-        p = s.params
-        if s.num_output_tokens < p.min_tokens:
-            for t in (*eos_ids, *p.stop_token_ids):
-                rows.append(i)
-                cols.append(t)
-        out = s.output_token_ids
-        for word in p.bad_words_token_ids:
-            prefix = list(word[:-1])
-            if not prefix or out[len(out) - len(prefix):] == prefix:
-                rows.append(i)
-                cols.append(word[-1])
+        t = tables_of(s, eos_ids, vocab, dev)
+        if t.empty:
+            continue
+        row = logits[i]
+        if t.disallowed is not None:
+            row.masked_fill_(t.disallowed, _NEG_INF)
+        if t.banned is not None:
+            row.index_fill_(0, t.banned, _NEG_INF)
+        if t.early_stops is not None and s.num_output_tokens < s.params.min_tokens:
+            row.index_fill_(0, t.early_stops, _NEG_INF)
+        if t.prefixes is not None:
+            banned = t.prefixes.banned_after(s.token_ids, s.num_output_tokens)
+            rows.extend([i] * len(banned))
+            cols.extend(banned)
+        if t.bias_ids is not None:
+            # a bias added to a banned token leaves it at -inf (biases are clamped to ±100)
+            row.index_add_(0, t.bias_ids, t.bias_values)
     if rows:
         logits[rows, cols] = _NEG_INF
-
-
-def _allowed_only(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    for i, s in enumerate(seqs):
-        allowed = s.params.allowed_token_ids
-        if allowed is not None:
-            keep = torch.full((logits.shape[1],), _NEG_INF, device=logits.device)
-            keep[torch.tensor(list(allowed), device=logits.device)] = 0.0
-            logits[i] += keep
-
-
-def _logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    rows, cols, vals = [], [], []
-    for i, s in enumerate(seqs):
-        for t, b in s.params.logit_bias:
-            rows.append(i)
-            cols.append(t)
-            vals.append(b)
-    if rows:
-        dev = logits.device
-        logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
-                          torch.tensor(vals, device=dev), accumulate=True)
 
 
 def _top_k_top_p_min_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -141,11 +210,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int],
     `bitmask_fn(logits)` applies constraint masks when any row is constrained."""
     want_logprobs = [s.params.logprobs is not None for s in seqs]
     raw_logprobs = logits.log_softmax(-1) if any(want_logprobs) else None
-    _allowed_only(logits, seqs)
     if bitmask_fn is not None:
         bitmask_fn(logits)
-    _ban_rows(logits, seqs, eos_ids)
-    _logit_bias(logits, seqs)
+    _request_lists(logits, seqs, eos_ids)
     for i, s in enumerate(seqs):
         for processor in s.logits_processors:
             logits[i] = processor(s.output_token_ids, logits[i])

@@ -1,7 +1,10 @@
 """The sampler's draws: right frequencies at a temperature, never a masked token, seeded rows
-independent of their batch."""
+independent of their batch; each request list masks what it names, and a step costs no more for
+long lists."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -46,3 +49,74 @@ def test_a_seed_draws_the_same_token_whatever_shares_the_batch() -> None:
     batch = sample(logits.expand(40, -1).clone(), _seqs(40, seeds=seeds), frozenset()).token_ids
     assert batch[1:21] == alone
     assert len(set(alone)) > 5  # and the seeds do differ
+
+
+def _row(params: SamplingParams, output: list[int] = ()) -> Sequence:
+    return Sequence(0, "r", 0, [1, *output], 1, params)
+
+
+def _greedy(seq: Sequence, order: list[int], eos: frozenset[int] = frozenset(),
+            vocab: int = 50) -> int:
+    """The token greedy sampling picks when `order` ranks the vocabulary best first."""
+    logits = torch.zeros(1, vocab)
+    logits[0, order] = torch.arange(len(order), 0, -1, dtype=torch.float32) * 10
+    return sample(logits, [seq], eos).token_ids[0]
+
+
+def test_allowed_token_ids_leave_only_their_tokens() -> None:
+    seq = _row(SamplingParams(max_tokens=4, temperature=0.0, allowed_token_ids=(30, 31)))
+    assert _greedy(seq, [1, 2, 31, 30]) == 31
+
+
+def test_bad_words_ban_single_tokens_and_the_completion_of_a_prefix() -> None:
+    words = ((7,), (3, 4), (5, 3, 9))
+    params = SamplingParams(max_tokens=8, temperature=0.0, bad_words_token_ids=words)
+    assert _greedy(_row(params, [6]), [7, 4, 9, 10]) == 4  # no prefix in the output: 4 is free
+    assert _greedy(_row(params, [6, 3]), [7, 4, 9, 10]) == 9  # after 3, 4 would complete (3, 4)
+    assert _greedy(_row(params, [5, 3]), [7, 4, 9, 10]) == 10  # and after 5 3, 9 is banned too
+    # a prefix counts only inside the output, as in vLLM: the prompt ends with 1 here
+    assert _greedy(_row(SamplingParams(max_tokens=8, temperature=0.0,
+                                       bad_words_token_ids=((1, 4),))), [4, 10]) == 4
+
+
+def test_min_tokens_holds_off_eos_and_stop_token_ids_then_lets_them_come() -> None:
+    params = SamplingParams(max_tokens=8, temperature=0.0, min_tokens=2, stop_token_ids=(8,))
+    seq = _row(params, [6])
+    assert _greedy(seq, [2, 8, 11], eos=frozenset({2})) == 11
+    seq.token_ids.append(11)
+    assert _greedy(seq, [2, 8, 11], eos=frozenset({2})) == 2
+
+
+def test_logit_bias_adds_to_the_logits_and_repeats_accumulate() -> None:
+    seq = _row(SamplingParams(max_tokens=4, temperature=0.0,
+                              logit_bias=((12, 15.0), (13, 8.0), (13, 8.0))))
+    assert _greedy(seq, [1]) == 13  # 1 scores 10, 12 scores 15, 13 scores 16
+
+
+def test_a_rows_lists_become_tensors_once_and_cost_no_more_with_their_length() -> None:
+    vocab = 4096
+    small = SamplingParams(max_tokens=64, temperature=0.0, allowed_token_ids=(5,),
+                           logit_bias=((5, 1.0),), bad_words_token_ids=((7,), (8, 9)),
+                           stop_token_ids=(10,), min_tokens=64)
+    big = SamplingParams(
+        max_tokens=64, temperature=0.0, allowed_token_ids=tuple(range(vocab)) * 64,
+        logit_bias=tuple((t, 0.5) for t in range(1024)),
+        bad_words_token_ids=tuple((t, t + 1, t + 2) for t in range(1000, 1256)),
+        stop_token_ids=tuple(range(2000, 3024)), min_tokens=64)
+
+    def per_step(params: SamplingParams) -> float:
+        seqs = [_row(params, [6]) for _ in range(4)]
+        logits = torch.randn(4, vocab)
+        sample(logits.clone(), seqs, frozenset({2}))  # the first step builds the tables
+        tables = [s.sampling_tables for s in seqs]
+        best = float("inf")
+        for _ in range(5):
+            started = time.perf_counter()
+            for _ in range(20):
+                sample(logits.clone(), seqs, frozenset({2}))
+            best = min(best, time.perf_counter() - started)
+        assert [s.sampling_tables for s in seqs] == tables  # built once, reused
+        return best
+
+    # the lists above are 64x-1000x longer; a step walking them would be tens of times slower
+    assert per_step(big) < 3 * per_step(small)
