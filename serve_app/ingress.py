@@ -101,7 +101,8 @@ class Generation:
             yield batches
 
     def cancel(self) -> None:
-        self.call.cancel()
+        with contextlib.suppress(Exception):  # cancel re-raises the call's own failure
+            self.call.cancel()
 
     async def deltas(self, states: list[ChoiceState],
                      timeout: float) -> AsyncIterator[tuple[ChoiceState, ChoiceDelta]]:
@@ -195,7 +196,10 @@ class Ingress:
                     served.info = {"max_model_len": stats["max_model_len"],
                                    "vocab_size": stats["vocab_size"]}
                     break
-        return await served.ensure_info()
+        try:
+            return await served.ensure_info()
+        except Exception as exc:
+            raise self._rejection(served, exc) from None
 
     async def _limits(self, served: ServedModel) -> sampling.ServerLimits:
         info = await self._info(served)
@@ -210,15 +214,19 @@ class Ingress:
     async def _start(self, served: ServedModel, gen: GenerateRequest) -> Generation:
         """Sends the request to a replica and waits for its first output, within the request's
         queue-wait deadline (plus a grace for a prefill that started just in time)."""
-        call = self.stream_handles[served.name].generate.remote(gen)
         wait = max(0.0, (gen.deadline or time.time()) - time.time()) + FIRST_OUTPUT_GRACE_S
+        call = None
         try:
+            # Serve's router may refuse at once (BackPressureError: its queue is full)
+            call = self.stream_handles[served.name].generate.remote(gen)
             async with asyncio.timeout(wait):
                 first = await call.__anext__()
         except StopAsyncIteration:
             raise APIError("the engine returned no output", 500) from None
         except Exception as exc:
-            call.cancel()
+            if call is not None:
+                with contextlib.suppress(Exception):  # cancel re-raises a failed assignment
+                    call.cancel()
             raise self._rejection(served, exc) from None
         return Generation(call, first)
 
