@@ -29,6 +29,7 @@ SUBCOMMANDS: list[Subcommand] = [
     Subcommand("step", "benchmarks.step", "the model's decode step alone vs the memory-bandwidth bound"),
     Subcommand("soak", "benchmarks.soak", "many requests while the server processes' memory is sampled"),
     Subcommand("hop", "benchmarks.hop", "per-step cost of shard actors vs in-process"),
+    Subcommand("caps", "benchmarks.caps", "other streams' TPOT beside one request at the list caps"),
     Subcommand("plot", "benchmarks.plot", "plot latency CDFs and throughput vs concurrency from result files"),
 ]
 

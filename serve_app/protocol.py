@@ -2,18 +2,38 @@
 
 Requests accept unknown fields and ignore them (as vLLM does); a known field with a wrong type or
 value is a 400 that names the field. Cross-field rules live in `sampling.py`, which turns a request
-into engine parameters; aliases resolve there, in one place."""
+into engine parameters; aliases resolve there, in one place.
+
+Every list a request hands over has a cap (the `MAX_*` constants): the engine applies the sampling
+lists on every step, which all rows of the batch wait for, and the ingress checks stop strings on
+every token, so an unbounded list would slow everyone's stream, not only its own."""
 
 from __future__ import annotations
 
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, field_validator,
+                      model_validator)
+from pydantic_core import PydanticCustomError
 
 from serve_app.errors import APIError
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+# Caps on what a request lists (sources in the README's limits table)
+MAX_STOP = 32  # stop strings (OpenAI: 4; vLLM: VLLM_MAX_STOP_STRINGS, 4 by default, raisable)
+MAX_STOP_CHARS = 128  # characters of one stop string
+MAX_STOP_TOKEN_IDS = 1024
+MAX_BAD_WORDS = 128  # vLLM: VLLM_MAX_NUM_BAD_WORDS
+MAX_BAD_WORD_CHARS = 128
+MAX_BAD_WORDS_TOKENS = 2048  # all bad words' tokens, both spellings (vLLM: 1024, one spelling)
+MAX_LOGIT_BIAS = 1024  # OpenAI
+MAX_ALLOWED_TOKEN_IDS = 262_144  # the largest common vocabulary (Gemma 3's): any allowlist fits
+MAX_LOGITS_PROCESSORS = 16
+MAX_MESSAGES = 2048  # (Azure) OpenAI
+MAX_TOOLS = 128  # OpenAI
+MAX_PROMPTS = 1024  # a completions request's prompt list (vLLM: VLLM_MAX_COMPLETION_PROMPTS)
 
 
 class _Open(BaseModel):
@@ -53,6 +73,38 @@ def _reject_unencodable(body: Any) -> Any:
         elif isinstance(node, list):
             stack.extend((v, (*path, i)) for i, v in enumerate(node) if isinstance(v, containers))
     return body
+
+
+def too_many(limit: int, noun: str, count: int) -> PydanticCustomError:
+    return PydanticCustomError("too_many", "at most {limit} {noun} per request, got {count}",
+                               {"limit": limit, "noun": noun, "count": count})
+
+
+def at_most(limit: int, noun: str) -> BeforeValidator:
+    """Counts a list (or object) before its items are parsed, so an oversized one costs little:
+    a 400 that names the field, the limit and what was sent."""
+    def check(value: Any) -> Any:
+        if isinstance(value, (list, dict)) and len(value) > limit:
+            raise too_many(limit, noun, len(value))
+        return value
+    return BeforeValidator(check)
+
+
+def _too_long(field: str, value: str | list[str], limit: int) -> None:
+    for i, item in enumerate([value] if isinstance(value, str) else value):
+        if len(item) > limit:
+            where = field if isinstance(value, str) else f"{field}[{i}]"
+            raise PydanticCustomError(
+                "too_long", "{where} has {length} characters, at most {limit} are allowed",
+                {"where": where, "length": len(item), "limit": limit})
+
+
+def _prompt_count(value: Any) -> Any:
+    # a list of token ids is one prompt; a list of strings or of id lists is one prompt each
+    if (isinstance(value, list) and len(value) > MAX_PROMPTS
+            and not all(isinstance(x, int) for x in value)):
+        raise too_many(MAX_PROMPTS, "prompts", len(value))
+    return value
 
 
 class _Request(_Open):
@@ -197,12 +249,15 @@ class SamplingFields(_Request):
     frequency_penalty: Penalty | None = 0.0
     repetition_penalty: float | None = Field(None, gt=0.0)
     length_penalty: float = 1.0
-    logit_bias: dict[str, float] | None = None
-    allowed_token_ids: list[TokenId] | None = None
-    bad_words: list[str] | None = None
+    logit_bias: Annotated[dict[str, float] | None,
+                          at_most(MAX_LOGIT_BIAS, "logit_bias entries")] = None
+    allowed_token_ids: Annotated[list[TokenId] | None,
+                                 at_most(MAX_ALLOWED_TOKEN_IDS, "allowed token ids")] = None
+    bad_words: Annotated[list[str] | None, at_most(MAX_BAD_WORDS, "bad words")] = None
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop: Annotated[str | list[str] | None, at_most(MAX_STOP, "stop strings")] = None
+    stop_token_ids: Annotated[list[TokenId] | None,
+                              at_most(MAX_STOP_TOKEN_IDS, "stop token ids")] = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
@@ -225,7 +280,8 @@ class SamplingFields(_Request):
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
     structural_tag: str | None = None
-    logits_processors: list[str | dict[str, Any]] | None = None
+    logits_processors: Annotated[list[str | dict[str, Any]] | None,
+                                 at_most(MAX_LOGITS_PROCESSORS, "logits processors")] = None
     priority: int = 0
     request_id: str | None = Field(None, min_length=1, max_length=256)
     cache_salt: str | None = None
@@ -244,6 +300,7 @@ class SamplingFields(_Request):
         items = [v] if isinstance(v, str) else (v or [])
         if any(s == "" for s in items):
             raise ValueError("stop strings must not be empty")
+        _too_long("stop", v or [], MAX_STOP_CHARS)
         return v
 
     @field_validator("bad_words")
@@ -251,6 +308,7 @@ class SamplingFields(_Request):
     def _no_empty_bad_words(cls, v: list[str] | None) -> list[str] | None:
         if v and any(not w.strip() for w in v):
             raise ValueError("bad words must be non-empty strings")
+        _too_long("bad_words", v or [], MAX_BAD_WORD_CHARS)
         return v
 
     @field_validator("cache_salt")
@@ -261,12 +319,16 @@ class SamplingFields(_Request):
         return v
 
 
+Messages = Annotated[list[Message], at_most(MAX_MESSAGES, "messages")]
+Tools = Annotated[list[Tool] | None, at_most(MAX_TOOLS, "tools")]
+
+
 class ChatCompletionRequest(SamplingFields):
-    messages: list[Message] = Field(min_length=1)
+    messages: Messages = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[Tool] | None = None
+    tools: Tools = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     reasoning_effort: str | None = None
@@ -284,19 +346,20 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Annotated[str | list[str] | list[int] | list[list[int]],
+                      BeforeValidator(_prompt_count)]
     logprobs: int | None = Field(None, ge=0, le=20)
 
 
 class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
-    messages: list[Message] | None = None
+    messages: Messages | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     return_token_strs: bool = False
-    tools: list[Tool] | None = None
+    tools: Tools = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from replicas.request import SamplingParams
 from serve_app.errors import APIError
-from serve_app.protocol import ChatCompletionRequest, SamplingFields
+from serve_app.protocol import MAX_BAD_WORDS_TOKENS, ChatCompletionRequest, SamplingFields
 from structured.spec import Constraint
 
 GUIDED_BACKENDS = {"auto", "outlines", "llguidance", "guidance", "xgrammar",
@@ -86,6 +86,16 @@ def _bad_words(words: list[str] | None, tokenizer: Any) -> tuple[tuple[int, ...]
             if ids:
                 out.add(ids)
     return tuple(sorted(out))
+
+
+def _bounded(bad_words: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+    """The engine keeps every bad word's tokens per sequence: bounded as vLLM bounds them."""
+    total = sum(map(len, bad_words))
+    if total > MAX_BAD_WORDS_TOKENS:
+        raise APIError(f"the bad words come to {total} tokens (both spellings, with and without "
+                       f"a leading space); at most {MAX_BAD_WORDS_TOKENS} are allowed",
+                       param="bad_words")
+    return bad_words
 
 
 def constraint_of(request: SamplingFields) -> Constraint | None:
@@ -256,7 +266,7 @@ def build(request: SamplingFields, *, prompt_len: int, limits: ServerLimits, tok
         logit_bias=_logit_bias(request.logit_bias, limits.vocab_size),
         allowed_token_ids=(tuple(request.allowed_token_ids)
                            if request.allowed_token_ids is not None else None),
-        bad_words_token_ids=_bad_words(request.bad_words, tokenizer),
+        bad_words_token_ids=_bounded(_bad_words(request.bad_words, tokenizer)),
         seed=request.seed, min_tokens=request.min_tokens, ignore_eos=request.ignore_eos,
         stop_token_ids=tuple(request.stop_token_ids or ()), logprobs=logprobs_n,
         prompt_logprobs=(None if request.prompt_logprobs is None
