@@ -4,6 +4,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import httpx
 import openai
 import pytest
@@ -23,7 +26,7 @@ def base_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
     key_file.write_text(f"# one key a line\n{FILE_KEY}\n\n")
     with running_app({"models": [SMALL_MODEL], "api_keys": [KEY],
-                      "api_key_file": str(key_file)}) as url:
+                      "api_key_file": str(key_file), "max_requests_per_key": 2}) as url:
         yield url
 
 
@@ -114,3 +117,29 @@ def test_streaming_needs_the_key_too(base_url: str) -> None:
                       headers={"Authorization": f"Bearer {KEY}"}) as r:
         assert r.status_code == 200
         assert "".join(r.iter_text()).endswith("data: [DONE]\n\n")
+
+
+def test_a_key_over_its_concurrency_limit_gets_429(base_url: str) -> None:
+    """max_requests_per_key=2: of 6 requests sent at once with one key, those beyond the 2 in
+    flight are 429s with Retry-After (the openai SDK retries them); another key is not
+    affected; the key's places come back when its requests end."""
+    # 16 x 600 tokens: the first two are still generating when the last ones arrive
+    body = {**CHAT_BODY, "max_tokens": 600, "ignore_eos": True, "n": 16}
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            def post(key: str) -> Any:
+                return client.post(f"{base_url}/chat/completions", json=body,
+                                   headers={"Authorization": f"Bearer {key}"})
+            return await asyncio.gather(*(post(KEY) for _ in range(6)), post(FILE_KEY))
+    *same, other = asyncio.run(burst())
+    codes = sorted(r.status_code for r in same)
+    assert codes.count(200) >= 2 and codes.count(429) >= 1 and set(codes) == {200, 429}, codes
+    for r in same:
+        if r.status_code == 429:
+            assert r.json()["error"]["type"] == "RateLimitError"
+            assert int(r.headers["retry-after"]) >= 1
+    assert other.status_code == 200, other.text
+    r = httpx.post(f"{base_url}/chat/completions", json=CHAT_BODY, timeout=60,
+                   headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200, r.text
