@@ -6,9 +6,9 @@ The streams' TPOT is measured alone, beside one plain request, and beside the ca
 alternating rounds on the same app (median over rounds of the 8 streams' median TPOT). On the
 embedded model a step takes a few ms, so one more stream of any kind costs the others ~10% in
 this app (measured 1.09-1.17x); the caps' own cost is the capped request against the plain one
-(measured 0.93-1.02x). Before the lists were
-made tensors once per sequence, this request cost each step tens of ms (a 262,144-id allowlist
-rebuilt as a tensor, 256 bad-word spellings walked in Python): many times the whole step."""
+(measured 0.93-1.02x). Before the lists were made tensors once per sequence, this request cost
+each step ~25 ms (a 262,144-id allowlist rebuilt as a tensor, 256 bad-word spellings walked in
+Python): several times the whole step."""
 
 from __future__ import annotations
 
