@@ -12,10 +12,20 @@ are concatenated as they are."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
+
+
+@functools.lru_cache(maxsize=16)
+def _proper_prefixes(stop: tuple[str, ...]) -> tuple[frozenset[str], int]:
+    """Every proper prefix of the stop strings, and the longest one's length (shared by the
+    choices of a request and by requests that send the same stop strings; at the caps a set
+    is ~0.5 MB, so few are kept)."""
+    prefixes = frozenset(s[:k] for s in stop for k in range(1, len(s)))
+    return prefixes, max((len(s) - 1 for s in stop), default=0)
 
 
 @dataclass(frozen=True)
@@ -46,20 +56,21 @@ class IncrementalDetokenizer:
             self._ids = list(prompt_tail)
             self._emitted = len(self._ids)
         self.stop = [s for s in (stop or []) if s]
+        self._prefixes = _proper_prefixes(tuple(self.stop))
         self.include_stop = include_stop_str_in_output
         self.held = ""
         self.stopped: str | None = None
         self.text = ""  # everything emitted so far
 
     def _partial_stop_len(self, text: str) -> int:
-        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
-        longest = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(text)), longest, -1):
-                if text.endswith(s[:k]):
-                    longest = k
-                    break
-        return longest
+        """Length of the longest suffix of `text` that is a proper prefix of a stop string: one
+        set lookup per suffix length, whatever the number of stop strings (the text is what
+        was held back plus the new piece, a few characters unless a stop string is under way)."""
+        prefixes, longest = self._prefixes
+        for k in range(min(longest, len(text)), 0, -1):
+            if text[-k:] in prefixes:
+                return k
+        return 0
 
     def _spaced(self, text: str, kind: str) -> str:
         """vLLM's `" ".join(sub_texts)`: a space wherever an added token meets other output."""
