@@ -109,7 +109,7 @@ async def run_burst(base_url: str, n: int, model: str, max_tokens: int = 16,
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", help="default: the server's first model")
     parser.add_argument("--num-requests", type=int, default=1000, help="sent at once")
     parser.add_argument("--max-tokens", type=int, default=16)
@@ -120,7 +120,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def run_cli(args: argparse.Namespace) -> int:
     async def go() -> BurstResult:
-        model = args.model or await first_model(args.base_url, args.api_key)
+        root = args.base_url.removesuffix("/").removesuffix("/v1")
+        model = args.model or await first_model(root, args.api_key)
         return await run_burst(args.base_url, args.num_requests, model, args.max_tokens,
                                args.health_interval, api_key=args.api_key)
     result = asyncio.run(go())
