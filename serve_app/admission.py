@@ -85,6 +85,16 @@ class Admission:
                 self.by_key[key] += 1
             return Ticket(self, model, key, time.time() + self.max_queue_wait_s)
 
+    def check_room(self) -> None:
+        """Before a body is even read: when every model is full, nothing this request could ask
+        for would be admitted, so the refusal skips the parse (a burst is shed at its cheapest)."""
+        if all(self.in_flight[m] >= limit for m, limit in self.limits.items()):
+            model = next(iter(self.limits)) if len(self.limits) == 1 else "*"
+            with self._lock:
+                self.rejected[model, OVERLOADED] += 1
+            raise APIError("the server is overloaded: every model has as many requests in flight "
+                           "as it can hold; retry later", 503, retry_after=RETRY_AFTER_S)
+
     def count_rejection(self, model: str, reason: str) -> None:
         with self._lock:
             self.rejected[model, reason] += 1

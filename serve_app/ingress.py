@@ -376,6 +376,7 @@ class Ingress:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
+        self.admission.check_room()
         body = await self._parse(request, ChatCompletionRequest)
         served = self.registry.resolve(body.model)
         ticket = self._admit(served, request)
@@ -539,6 +540,7 @@ class Ingress:
     # ---- /v1/completions -----------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
+        self.admission.check_room()
         body = await self._parse(request, CompletionRequest)
         served = self.registry.resolve(body.model)
         ticket = self._admit(served, request)

@@ -52,8 +52,12 @@ def test_per_key_and_per_model_admission() -> None:
     with pytest.raises(APIError) as exc:  # the model's capacity: 3
         adm.admit(model, "k3")
     assert exc.value.status == 503 and "overloaded" in exc.value.message
+    with pytest.raises(APIError) as exc:  # full before the body is read
+        adm.check_room()
+    assert exc.value.status == 503 and adm.rejected[model, "overloaded"] == 2
     a.release()
     a.release()  # idempotent
+    adm.check_room()
     d = adm.admit(model, "k1")
     assert adm.in_flight[model] == 3 and adm.rejected[model, "per_key_limit"] == 1
     for t in (b, c, d):
