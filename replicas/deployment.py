@@ -189,21 +189,21 @@ class LLMServer:
             executor, eos,
             {name: load_factory(name) for name in config.logits_processors}, compute)
 
-    async def _compile(self, constraint: Constraint) -> Compiled:
+    async def _compile(self, constraint: Constraint, client: str | None) -> Compiled:
         if self.compiler is None:
             if self.vocabulary is None:
                 raise EngineError("structured outputs need the model's tokenizer.json",
                                   param="response_format")
             self.compiler = Compiler(self.vocabulary, timeout_s=self.config.structured_timeout_s)
         try:
-            return await self.compiler.compile(constraint)
+            return await self.compiler.compile(constraint, client)
         except ConstraintError as exc:
             raise EngineError(exc.message, param=exc.param) from None
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[tuple[TokenBatch, ...]]:
         compiled = None
         if request.constraint is not None:
-            compiled = await self._compile(request.constraint)
+            compiled = await self._compile(request.constraint, request.client)
         outbox = self.engine.add(request, compiled)
         outbox.min_tokens = self.config.stream_interval
         budget = self.stream_budget

@@ -58,6 +58,8 @@ class GenerateRequest:
     # time.time() by which the engine must have scheduled the request, or it fails with a 503
     # (the ingress sets it on arrival, so time queued in Serve's router counts too)
     deadline: float | None = None
+    # who asked (an API key's digest or an address), for per-client limits such as compiles
+    client: str | None = None
 
 
 @dataclass(frozen=True)

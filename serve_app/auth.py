@@ -52,6 +52,16 @@ def given_key(request: Request) -> str | None:
     return given or request.headers.get("x-api-key")
 
 
+def client_id(request: Request) -> str:
+    """Who is asking, for per-client limits: the API key's digest when there is one (the key
+    itself never leaves the ingress), else the first address the request came from."""
+    key = getattr(request.state, "api_key", None)
+    if key:
+        return "key:" + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    forwarded = request.headers.get("x-forwarded-for", "").split(",")[0].strip()
+    return "addr:" + (forwarded or (request.client.host if request.client else "unknown"))
+
+
 async def require_api_key(request: Request) -> None:
     """The app-wide dependency: with keys configured, every route but the open ones needs one.
     The key is left on `request.state.api_key` for per-key limits."""

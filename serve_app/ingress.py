@@ -27,7 +27,7 @@ from replicas.request import GenerateRequest, TokenBatch
 from replicas.status_board import BoardReader, app_name_here
 from serve_app import admission, chat, sampling, tool_choice
 from serve_app.admission import Admission, Ticket
-from serve_app.auth import APIKeys, read_key_file, require_api_key
+from serve_app.auth import APIKeys, client_id, read_key_file, require_api_key
 from serve_app.config import AppConfig
 from serve_app.errors import APIError, install_handlers, validation_error
 from serve_app.metrics import Metrics
@@ -409,7 +409,8 @@ class Ingress:
         if constraint is not None and in_think:
             constraint_after = served.tokenizer.convert_tokens_to_ids("</think>")
         gen = GenerateRequest(rid, tuple(ids), params, constraint, n_gen, body.priority,
-                              body.cache_salt, constraint_after, ticket.deadline)
+                              body.cache_salt, constraint_after, ticket.deadline,
+                              client_id(request))
         started = time.monotonic()
         generation = await self._start(served, gen)
         parse_tools = bool(body.tools) and body.tool_choice != "none"
@@ -571,7 +572,8 @@ class Ingress:
                                   body.priority, body.cache_salt,
                                   # each prompt is its own engine request, started in turn
                                   deadline=ticket.deadline if p_index == 0
-                                  else time.time() + self.config.max_queue_wait_s)
+                                  else time.time() + self.config.max_queue_wait_s,
+                                  client=client_id(request))
             generation = await self._start(served, gen)
             token_text = TokenText(served.tokenizer, options.return_tokens_as_token_ids)
             states = [ChoiceState(i, served.tokenizer, served.fast, options,

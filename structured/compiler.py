@@ -8,7 +8,12 @@ Time limit: outlines-core builds its automaton eagerly and cannot be interrupted
 killable worker process (structured/index_builder.py) that is killed at the limit. llguidance
 compiles lazily in about a millisecond under its own fuel limits (lexer, grammar size), so it runs
 in a thread; the limit still bounds what the caller waits. Either way the caller's event loop and
-other compiles keep running.
+other compiles keep running, and the limit counts from the request, queue wait included.
+
+The workers are few (2), so one client could hold them all with slow constraints and make
+everyone else's compiles time out: each client (the ingress names it: an API key's digest or an
+address) compiles at most `per_client` new specs at a time, its others wait in a line of its own,
+on their own clock. Cached specs, and specs already compiling for anyone, skip the line.
 """
 
 from __future__ import annotations
@@ -53,12 +58,15 @@ class Compiler:
     """
 
     def __init__(self, vocab: Vocabulary, timeout_s: float = 10.0, cache_size: int = 256,
-                 processes: int = 2, max_memory_mb: int | None = 4096) -> None:
+                 processes: int = 2, max_memory_mb: int | None = 4096,
+                 per_client: int = 1) -> None:
         self.vocab = vocab
         self.timeout_s = timeout_s
         self.cache_size = cache_size
         self._cache: OrderedDict[Constraint, Compiled | ConstraintError] = OrderedDict()
         self._inflight: dict[Constraint, asyncio.Future] = {}
+        self.per_client = per_client
+        self._lanes: dict[str, tuple[asyncio.Semaphore, list[int]]] = {}  # client -> (slots, users)
         self._builder = IndexBuilder(vocab.outlines, processes=processes, max_memory_mb=max_memory_mb)
         self._threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="llguidance-compile")
 
@@ -67,9 +75,10 @@ class Compiler:
         self.vocab.llguidance  # noqa: B018 (cached property)
         self._builder.start()
 
-    async def compile(self, spec: Constraint) -> Compiled:
+    async def compile(self, spec: Constraint, client: str | None = None) -> Compiled:
         """The Compiled for `spec`. Raises ConstraintError when the spec is invalid, unsupported,
-        unsatisfiable, too large, or takes longer than timeout_s to compile."""
+        unsatisfiable, too large, or takes longer than timeout_s (from this call, waiting for
+        `client`'s turn included) to compile."""
         cached = self._cache.get(spec)
         if cached is not None:
             self._cache.move_to_end(spec)
@@ -78,11 +87,39 @@ class Compiler:
             return cached
         future = self._inflight.get(spec)
         if future is None:
-            future = asyncio.ensure_future(self._compile(spec))
+            deadline = time.monotonic() + self.timeout_s
+            future = asyncio.ensure_future(self._in_lane(client, spec, deadline))
             self._inflight[spec] = future
             future.add_done_callback(lambda f: self._finish(spec, f))
         # shield: a cancelled caller (client gone) does not cancel the compile others wait for
         return await asyncio.shield(future)
+
+    async def _in_lane(self, client: str | None, spec: Constraint,
+                       deadline: float) -> Compiled:
+        """Compiles `spec` once `client` has a free slot, within the same deadline."""
+        if client is None:
+            return await self._compile(spec, deadline)
+        lane = self._lanes.setdefault(client, (asyncio.Semaphore(self.per_client), [0]))
+        slots, users = lane
+        users[0] += 1
+        try:
+            try:
+                await asyncio.wait_for(slots.acquire(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise self._too_slow(spec) from None
+            try:
+                return await self._compile(spec, deadline)
+            finally:
+                slots.release()
+        finally:
+            users[0] -= 1
+            if users[0] == 0:
+                del self._lanes[client]
+
+    def _too_slow(self, spec: Constraint) -> ConstraintError:
+        param = check_constraint(spec).param
+        return ConstraintError(f"the {param} constraint took longer than {self.timeout_s:g} s to "
+                               "compile", param)
 
     def _finish(self, spec: Constraint, future: asyncio.Future) -> None:
         self._inflight.pop(spec, None)
@@ -96,19 +133,20 @@ class Compiler:
         while len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
 
-    async def _compile(self, spec: Constraint) -> Compiled:
+    async def _compile(self, spec: Constraint, deadline: float) -> Compiled:
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
         plan = await loop.run_in_executor(self._threads, check_constraint, spec)
+        left = max(0.0, deadline - time.monotonic())
         if plan.backend == "outlines":
-            new_guide = await self._compile_outlines(plan)
+            new_guide = await self._compile_outlines(plan, left)
         else:
-            new_guide = await self._compile_llguidance(plan)
+            new_guide = await self._compile_llguidance(plan, left)
         return Compiled(spec, plan.backend, time.perf_counter() - started, new_guide)
 
-    async def _compile_outlines(self, plan: Plan) -> Callable[[], Guide]:
+    async def _compile_outlines(self, plan: Plan, left: float) -> Callable[[], Guide]:
         try:
-            index = await self._builder.build(outlines_regex(plan.source), self.timeout_s)
+            index = await self._builder.build(outlines_regex(plan.source), left)
         except BuildTimeout:
             raise ConstraintError(
                 f"the {plan.param} constraint took longer than {self.timeout_s:g} s to compile",
@@ -122,7 +160,7 @@ class Compiler:
                                   "(its automaton has no final state)", plan.param)
         return automaton.new_guide
 
-    async def _compile_llguidance(self, plan: Plan) -> Callable[[], Guide]:
+    async def _compile_llguidance(self, plan: Plan, left: float) -> Callable[[], Guide]:
         import llguidance
 
         def build() -> llguidance.LLMatcher:
@@ -130,8 +168,7 @@ class Compiler:
 
         loop = asyncio.get_running_loop()
         try:
-            prototype = await asyncio.wait_for(loop.run_in_executor(self._threads, build),
-                                               self.timeout_s)
+            prototype = await asyncio.wait_for(loop.run_in_executor(self._threads, build), left)
         except asyncio.TimeoutError:
             raise ConstraintError(
                 f"the {plan.param} constraint took longer than {self.timeout_s:g} s to compile",

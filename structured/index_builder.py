@@ -82,8 +82,9 @@ class _Worker:
 class IndexBuilder:
     """A pool of `processes` killable workers building `outlines_core.Index(regex, vocabulary)`.
 
-    `await build(regex, timeout_s)` waits off the event loop; the time limit counts from the moment
-    a worker takes the job (waiting for a free worker is not counted).
+    `await build(regex, timeout_s)` waits off the event loop; the time limit counts from the call,
+    so waiting for a free worker is inside it (a queue of slow compiles turns into prompt 400s
+    rather than an ever longer wait), except a fresh worker's start.
     """
 
     def __init__(self, vocabulary: outlines_core.Vocabulary, processes: int = 2,
@@ -141,21 +142,26 @@ class IndexBuilder:
         """Build the Index. Raises BuildTimeout after `timeout_s` of work, BuildFailed otherwise."""
         if self._closed:
             raise RuntimeError("IndexBuilder is closed")
-        # One thread per worker: jobs beyond that queue in the executor before their clock starts.
+        # One thread per worker: jobs beyond that queue in the executor, on the same clock.
+        deadline = time.monotonic() + timeout_s
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._threads, self._build_blocking, regex, timeout_s)
+        return await loop.run_in_executor(self._threads, self._build_blocking, regex, deadline)
 
-    def _build_blocking(self, regex: str, timeout_s: float) -> outlines_core.Index:
+    def _build_blocking(self, regex: str, deadline: float) -> outlines_core.Index:
+        if time.monotonic() >= deadline:  # its time went by in the queue
+            raise BuildTimeout()
         worker = self._take()
         try:
             if not worker.ready:  # a fresh process: its start is not counted in the time limit
+                starting = time.monotonic()
                 worker.inbox.send((self._vocabulary, self._max_memory))
                 if not worker.outbox.poll(60.0):
                     raise BuildFailed("the compile worker did not start")
                 worker.outbox.recv()
                 worker.ready = True
+                deadline += time.monotonic() - starting
             worker.inbox.send(regex)
-            if not worker.outbox.poll(timeout_s):
+            if not worker.outbox.poll(max(0.0, deadline - time.monotonic())):
                 raise BuildTimeout()
             status, payload = worker.outbox.recv()
         except (BuildTimeout, BuildFailed):

@@ -86,6 +86,53 @@ async def test_timeout_kills_the_compile_and_the_loop_keeps_running(vocab, token
         compiler.close()
 
 
+async def test_queue_wait_counts_inside_the_time_limit(vocab):
+    """One worker busy with a slow compile: a second slow spec waiting for it fails at its own
+    limit counted from its request (about 1 s), not 1 s after the worker frees up (2 s)."""
+    compiler = Compiler(vocab, timeout_s=1.0, processes=1)
+    try:
+        compiler.start()
+        await compiler.compile(Constraint("regex", "warm"))
+        first = asyncio.create_task(compiler.compile(Constraint("regex", SLOW_REGEX)))
+        await asyncio.sleep(0.3)
+        started = time.perf_counter()
+        with pytest.raises(ConstraintError) as error:
+            await compiler.compile(Constraint("regex", SLOW_REGEX + "x"))
+        # 0.7 s queued + the replacement worker's start + what was left of its 1 s
+        assert 0.9 <= time.perf_counter() - started < 1.7
+        assert "took longer than 1 s" in error.value.message
+        with pytest.raises(ConstraintError):
+            await first
+    finally:
+        compiler.close()
+
+
+async def test_one_client_cannot_hold_every_worker(vocab, tokenizer):
+    """A client sending slow specs holds one of the two workers; its others wait in its own
+    line (and time out on their own clock) while other clients compile on the other worker."""
+    compiler = Compiler(vocab, timeout_s=1.0, processes=2, per_client=1)
+    try:
+        compiler.start()
+        await asyncio.gather(compiler.compile(Constraint("regex", "warm")),
+                             compiler.compile(Constraint("regex", "up")))
+        started = time.perf_counter()
+        greedy = [asyncio.create_task(compiler.compile(Constraint("regex", SLOW_REGEX + c),
+                                                       "greedy")) for c in "abc"]
+        await asyncio.sleep(0.05)
+        others = await asyncio.gather(*(compiler.compile(Constraint("regex", f"[0-9]{{{i}}}"),
+                                                         f"polite-{i}") for i in range(1, 5)))
+        assert time.perf_counter() - started < 0.9  # served while the greedy one compiles
+        assert all(accepts(o, tokenizer, "1234"[:i + 1]) for i, o in enumerate(others))
+        # a spec already cached costs the greedy client nothing
+        assert await compiler.compile(Constraint("regex", "[0-9]{1}"), "greedy") is others[0]
+        for task in greedy:  # each timed out at about its own 1 s: none waited for another
+            with pytest.raises(ConstraintError):
+                await task
+        assert time.perf_counter() - started < 1.8
+    finally:
+        compiler.close()
+
+
 async def test_worker_out_of_memory_is_a_400(vocab):
     compiler = Compiler(vocab, timeout_s=30.0, processes=1, max_memory_mb=64)
     try:
