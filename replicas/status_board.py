@@ -86,6 +86,20 @@ async def publish_forever(app_name: str, model: str, replica: str,
         await asyncio.sleep(REPORT_PERIOD_S)
 
 
+def unhealthy_reason(model: str, reports: list[dict[str, Any]]) -> str | None:
+    """Why a model cannot serve, from its replicas' recent reports; None when one of them can
+    (its engine loop alive, not failed, no step wedged)."""
+    if not reports:
+        return f"no replica of {model} has reported its state in the last {STALE_AFTER_S:g} s"
+    if any(r["failed"] is None and r["loop_alive"] and not r["stalled"] for r in reports):
+        return None
+    why = next((r["failed"] for r in reports if r["failed"]), None)
+    if why is None:
+        why = ("the engine loop is not running" if not any(r["loop_alive"] for r in reports)
+               else "an engine step is wedged")
+    return f"no healthy replica of {model}: {why}"
+
+
 class BoardReader:
     """The ingress side: a background task keeps `snapshot` (model -> replica -> (reported at,
     stats)) fresh; routes read it directly."""

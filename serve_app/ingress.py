@@ -24,7 +24,7 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from replicas.request import GenerateRequest, TokenBatch
-from replicas.status_board import BoardReader, app_name_here
+from replicas.status_board import BoardReader, app_name_here, unhealthy_reason
 from serve_app import admission, chat, sampling, tool_choice
 from serve_app.admission import Admission, Ticket
 from serve_app.auth import APIKeys, client_id, read_key_file, require_api_key
@@ -271,14 +271,9 @@ class Ingress:
         never waits behind generation work."""
         self.board.start()
         for served in self.registry.models.values():
-            reports = self.board.fresh(served.name)
-            if not reports:
-                return APIError(f"no replica of {served.name} has reported its state in the last "
-                                "few seconds", 503).response()
-            if not any(r["failed"] is None and r["loop_alive"] and not r["stalled"]
-                       for r in reports):
-                why = next((r["failed"] for r in reports if r["failed"]), None) or "wedged"
-                return APIError(f"no healthy replica of {served.name}: {why}", 503).response()
+            why = unhealthy_reason(served.name, self.board.fresh(served.name))
+            if why is not None:
+                return APIError(why, 503).response()
         return Response(status_code=200)
 
     @app.get("/ping")
