@@ -1,15 +1,18 @@
 """Paged KV-cache bookkeeping: fixed-size blocks, a block table per sequence, prefix sharing.
 
 Only ids and counts live here; the tensors live on the shard workers. A full block is identified by
-the hash of its tokens chained with its predecessor's hash and the request's `cache_salt`, so a new
-sequence whose prompt starts with the same blocks (in the same tenant) reuses them. Freed blocks
-keep their hash until reallocated, so a finished conversation's prefix stays reusable (LRU)."""
+a cryptographic key over its tokens, its predecessor's key and the request's `cache_salt`
+(replicas/block_hash.py), so a new sequence whose prompt starts with the same blocks (in the same
+tenant) reuses them; a hit must also carry the very same token ids, so no crafted key collision can
+hand one tenant another's KV. Freed blocks keep their key until reallocated, so a finished
+conversation's prefix stays reusable (LRU)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from replicas.block_hash import BlockKey, block_key
 from replicas.request import Sequence
 
 
@@ -17,7 +20,8 @@ from replicas.request import Sequence
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None
+    key: BlockKey | None = None
+    token_ids: tuple[int, ...] = ()  # what the key stands for, compared on every hit
 
 
 class BlockManager:
@@ -27,7 +31,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.cached: dict[BlockKey, int] = {}  # block key -> block id
 
     @property
     def num_free_blocks(self) -> int:
@@ -45,28 +49,26 @@ class BlockManager:
         total = seq.num_computed_tokens + num_new_tokens
         return max(0, -(-total // self.block_size) - len(seq.block_table))
 
-    def _block_hash(self, prev: int | None, tokens: list[int], salt: str | None) -> int:
-        return hash((prev, salt, tuple(tokens)))
-
     def match_prefix(self, seq: Sequence) -> None:
         """Attaches cached blocks of the prompt's prefix to a sequence that has computed nothing."""
         # prompt logprobs need logits of every prompt position, so such a prompt is computed whole
         if not self.enable_prefix_caching or seq.block_table or seq.prompt_logprobs is not None:
             return
         bs = self.block_size
-        prev: int | None = None
+        prev: BlockKey | None = None
         # keep the last prompt token uncached so the step that follows has something to compute
         for i in range((seq.num_prompt_tokens - 1) // bs):
-            h = self._block_hash(prev, seq.token_ids[i * bs:(i + 1) * bs], seq.cache_salt)
-            block_id = self.cached.get(h)
-            if block_id is None:
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            key = block_key(prev, tokens, seq.cache_salt)
+            block_id = self.cached.get(key)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
                 break
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self.free[block_id]
             block.ref_count += 1
             seq.block_table.append(block_id)
-            prev = h
+            prev = key
         seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * bs
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -77,25 +79,26 @@ class BlockManager:
         for _ in range(need):
             block_id, _ = self.free.popitem(last=False)
             block = self.blocks[block_id]
-            if block.hash is not None and self.cached.get(block.hash) == block_id:
-                del self.cached[block.hash]
-            block.hash = None
+            if block.key is not None and self.cached.get(block.key) == block_id:
+                del self.cached[block.key]
+            block.key, block.token_ids = None, ()
             block.ref_count = 1
             seq.block_table.append(block_id)
         return True
 
     def commit_full_blocks(self, seq: Sequence, num_computed_before: int) -> None:
-        """Publishes the hashes of blocks that the last step filled, for later prefix matches."""
+        """Publishes the keys of blocks that the last step filled, for later prefix matches."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
         for i in range(num_computed_before // bs, seq.num_computed_tokens // bs):
             block = self.blocks[seq.block_table[i]]
-            if block.hash is not None:
+            if block.key is not None:
                 continue
-            prev = self.blocks[seq.block_table[i - 1]].hash if i > 0 else None
-            block.hash = self._block_hash(prev, seq.token_ids[i * bs:(i + 1) * bs], seq.cache_salt)
-            self.cached.setdefault(block.hash, block.block_id)
+            prev = self.blocks[seq.block_table[i - 1]].key if i > 0 else None
+            block.token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            block.key = block_key(prev, block.token_ids, seq.cache_salt)
+            self.cached.setdefault(block.key, block.block_id)
 
     def free_sequence(self, seq: Sequence) -> None:
         for block_id in reversed(seq.block_table):

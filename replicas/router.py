@@ -1,9 +1,9 @@
 """Prefix-aware routing of requests to model replicas, on Ray Serve's request-router extension point.
 
 Runs inside each caller of the model deployment (the ingress). It remembers, per replica, the
-chained hashes of the 16-token prompt blocks it recently sent there, salted like the replica's
-own prefix cache. A request goes to the replica holding its longest known prefix unless that
-replica has more than `imbalance` requests in flight beyond the least loaded one; otherwise (and
+chained keys of the 16-token prompt blocks it recently sent there, made by the same function as
+the replica's own prefix cache (replicas/block_hash.py). A request goes to the replica holding
+its longest known prefix unless that replica has more than `imbalance` requests in flight beyond the least loaded one; otherwise (and
 when nothing matches) it falls back to the least loaded of two random replicas."""
 
 from __future__ import annotations
@@ -13,29 +13,28 @@ from collections import OrderedDict
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from replicas.block_hash import BlockKey, prefix_keys
 from replicas.request import GenerateRequest
 
 BLOCK = 16
 MAX_BLOCKS = 64  # look at most this far into a prompt
-MAX_ENTRIES = 200_000  # remembered block hashes per replica
+MAX_ENTRIES = 200_000  # remembered block keys per replica
+MAX_PENDING = 10_000  # keys of requests being routed, kept from choosing to routing
 
 
-def block_hashes(request: GenerateRequest) -> list[int]:
-    ids = request.prompt_token_ids
-    out: list[int] = []
-    prev: int | None = None
-    for i in range(min(len(ids) // BLOCK, MAX_BLOCKS)):
-        prev = hash((prev, request.cache_salt, ids[i * BLOCK:(i + 1) * BLOCK]))
-        out.append(prev)
-    return out
+def block_keys(request: GenerateRequest) -> list[BlockKey]:
+    return prefix_keys(request.prompt_token_ids, BLOCK, request.cache_salt, MAX_BLOCKS)
 
 
 class PrefixAffinityRouter(RequestRouter):
     def initialize_state(self, imbalance: int = 8) -> None:
         self.imbalance = imbalance
-        self.prefixes: dict[ReplicaID, OrderedDict[int, None]] = {}
+        self.prefixes: dict[ReplicaID, OrderedDict[BlockKey, None]] = {}
         self.inflight: dict[ReplicaID, int] = {}
-        self.pending_hashes: dict[int, list[int]] = {}
+        # internal request id -> its keys, from choose_replicas to on_request_routed; a request
+        # cancelled while queued never reaches the latter, so its entry leaves with its future
+        # (and the dict is bounded besides)
+        self.pending_keys: OrderedDict[str, list[BlockKey]] = OrderedDict()
 
     @staticmethod
     def _request(pending: PendingRequest | None) -> GenerateRequest | None:
@@ -46,16 +45,25 @@ class PrefixAffinityRouter(RequestRouter):
                 return arg
         return None
 
-    def _match(self, replica: ReplicaID, hashes: list[int]) -> int:
+    def _match(self, replica: ReplicaID, keys: list[BlockKey]) -> int:
         known = self.prefixes.get(replica)
         if not known:
             return 0
         n = 0
-        for h in hashes:  # chained hashes: the first miss ends the shared prefix
-            if h not in known:
+        for k in keys:  # chained keys: the first miss ends the shared prefix
+            if k not in known:
                 break
             n += 1
         return n
+
+    def _remember_pending(self, pending: PendingRequest, keys: list[BlockKey]) -> None:
+        rid = pending.metadata.internal_request_id
+        if rid in self.pending_keys:
+            return
+        self.pending_keys[rid] = keys
+        while len(self.pending_keys) > MAX_PENDING:
+            self.pending_keys.popitem(last=False)
+        pending.future.add_done_callback(lambda _: self.pending_keys.pop(rid, None))
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
@@ -66,11 +74,13 @@ class PrefixAffinityRouter(RequestRouter):
         load = {r.replica_id: self.inflight.get(r.replica_id, 0) for r in candidate_replicas}
         least = min(load.values())
         if request is not None:
-            hashes = block_hashes(request)
-            self.pending_hashes[id(pending_request)] = hashes
-            best = max(candidate_replicas, key=lambda r: (self._match(r.replica_id, hashes),
+            keys = self.pending_keys.get(pending_request.metadata.internal_request_id)
+            if keys is None:
+                keys = block_keys(request)
+                self._remember_pending(pending_request, keys)
+            best = max(candidate_replicas, key=lambda r: (self._match(r.replica_id, keys),
                                                           -load[r.replica_id]))
-            if (self._match(best.replica_id, hashes) > 0
+            if (self._match(best.replica_id, keys) > 0
                     and load[best.replica_id] <= least + self.imbalance):
                 rest = sorted((r for r in candidate_replicas if r is not best),
                               key=lambda r: load[r.replica_id])
@@ -81,14 +91,14 @@ class PrefixAffinityRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: object) -> None:
         self.inflight[replica_id] = self.inflight.get(replica_id, 0) + 1
-        hashes = self.pending_hashes.pop(id(pending_request), None)
-        if hashes is None:
+        keys = self.pending_keys.pop(pending_request.metadata.internal_request_id, None)
+        if keys is None:
             request = self._request(pending_request)
-            hashes = block_hashes(request) if request is not None else []
+            keys = block_keys(request) if request is not None else []
         known = self.prefixes.setdefault(replica_id, OrderedDict())
-        for h in hashes:
-            known[h] = None
-            known.move_to_end(h)
+        for k in keys:
+            known[k] = None
+            known.move_to_end(k)
         while len(known) > MAX_ENTRIES:
             known.popitem(last=False)
 
