@@ -1,7 +1,9 @@
 """Messages -> prompt token ids: memory strategy, content normalisation, chat template, truncation.
 
-Templates render in transformers' sandboxed Jinja environment (`apply_chat_template`), so a
-per-request `chat_template` cannot reach Python; any template error is the client's 400."""
+The model's own template renders here, in transformers' sandboxed Jinja environment
+(`apply_chat_template`), on the ingress's preprocessing threads (serve_app/preprocess.py); a
+request's own `chat_template` renders in a killable worker process (serve_app/template_sandbox.py).
+Any template error is the client's 400."""
 
 from __future__ import annotations
 
@@ -92,20 +94,33 @@ def _arguments(arguments: str | dict[str, Any], index: int) -> dict[str, Any] | 
     return parsed if isinstance(parsed, dict) else arguments
 
 
-def render(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[dict] | None = None,
-           documents: list[dict] | None = None, chat_template: str | None = None,
-           add_generation_prompt: bool = True, continue_final_message: bool = False,
-           add_special_tokens: bool = False, template_kwargs: dict[str, Any] | None = None
-           ) -> RenderedPrompt:
+def check_render_args(messages: list[dict[str, Any]], add_generation_prompt: bool,
+                      continue_final_message: bool) -> None:
     if add_generation_prompt and continue_final_message:
         raise APIError("add_generation_prompt and continue_final_message cannot both be true",
                        param="continue_final_message")
     if continue_final_message and messages[-1]["role"] != "assistant":
         raise APIError("continue_final_message needs the last message to be the assistant's",
                        param="continue_final_message")
+
+
+def template_variables(template_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """The request's chat_template_kwargs, less the names the rendering itself owns."""
     kwargs = dict(template_kwargs or {})
-    for reserved in ("conversation", "tokenize", "chat_template", "tools", "documents"):
+    for reserved in ("conversation", "conversations", "tokenize", "chat_template", "tools",
+                     "documents", "add_generation_prompt", "continue_final_message"):
         kwargs.pop(reserved, None)
+    return kwargs
+
+
+def render(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[dict] | None = None,
+           documents: list[dict] | None = None, chat_template: str | None = None,
+           add_generation_prompt: bool = True, continue_final_message: bool = False,
+           add_special_tokens: bool = False, template_kwargs: dict[str, Any] | None = None
+           ) -> RenderedPrompt:
+    """The model's own template (blocking: run it on a preprocessing thread)."""
+    check_render_args(messages, add_generation_prompt, continue_final_message)
+    kwargs = template_variables(template_kwargs)
     try:
         text = tokenizer.apply_chat_template(
             messages, tools=tools, documents=documents, chat_template=chat_template,
@@ -120,7 +135,8 @@ def render(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[dict] 
     return RenderedPrompt(text, list(ids))
 
 
-def render_request(tokenizer: Any, request: ChatCompletionRequest) -> RenderedPrompt:
+def render_args(request: ChatCompletionRequest) -> dict[str, Any]:
+    """A chat request's rendering inputs, as `render` (or the template sandbox) takes them."""
     messages = to_template_messages(apply_memory_strategy(request.messages,
                                                           request.memory_strategy))
     if not messages:
@@ -131,11 +147,11 @@ def render_request(tokenizer: Any, request: ChatCompletionRequest) -> RenderedPr
     kwargs = dict(request.chat_template_kwargs or {})
     if request.reasoning_effort is not None:
         kwargs.setdefault("reasoning_effort", request.reasoning_effort)
-    return render(tokenizer, messages, tools=tools, documents=request.documents,
-                  chat_template=request.chat_template,
-                  add_generation_prompt=request.add_generation_prompt,
-                  continue_final_message=request.continue_final_message,
-                  add_special_tokens=bool(request.add_special_tokens), template_kwargs=kwargs)
+    return {"messages": messages, "tools": tools, "documents": request.documents,
+            "chat_template": request.chat_template,
+            "add_generation_prompt": request.add_generation_prompt,
+            "continue_final_message": request.continue_final_message,
+            "add_special_tokens": bool(request.add_special_tokens), "template_kwargs": kwargs}
 
 
 def truncate(ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int) -> list[int]:

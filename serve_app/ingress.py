@@ -32,6 +32,7 @@ from serve_app.config import AppConfig
 from serve_app.errors import APIError, install_handlers, validation_error
 from serve_app.metrics import Metrics
 from serve_app.models import ModelRegistry, ServedModel, load_model
+from serve_app.preprocess import Preprocessor
 from serve_app.protocol import (ChatChoice, ChatCompletion, ChatCompletionChunk,
                                 ChatCompletionRequest, ChoiceLogprobs, ChunkChoice, Completion,
                                 CompletionChoice, CompletionLogprobs, CompletionRequest, Delta,
@@ -84,6 +85,24 @@ def _json_depth(obj: Any, limit: int) -> bool:
         elif isinstance(node, list):
             stack.extend((v, depth + 1) for v in node)
     return True
+
+
+def _decode(body: bytes, model: type[T]) -> T:
+    """JSON body -> request model (a 4 MiB body takes tens of ms: run it off the event loop)."""
+    try:
+        obj = json.loads(body)
+    except UnicodeDecodeError:
+        raise APIError("the body is not valid UTF-8", 400) from None
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise APIError(f"the body is not valid JSON: {exc}", 400) from None
+    if not isinstance(obj, dict):
+        raise APIError("the body must be a JSON object", 400)
+    if not _json_depth(obj, MAX_JSON_DEPTH):
+        raise APIError(f"the body is nested deeper than {MAX_JSON_DEPTH} levels", 400)
+    try:
+        return model.model_validate(obj)
+    except ValidationError as exc:
+        raise validation_error(exc) from None  # type: ignore[arg-type]
 
 
 class Generation:
@@ -153,6 +172,7 @@ class Ingress:
         self.registry = ModelRegistry([load_model(m, handles[m.name]) for m in config.models])
         self.metrics = Metrics()
         self.admission = Admission(config)
+        self.pre = Preprocessor(config)
         # the replicas' engine state, kept fresh off the request path (/health, /metrics)
         self.board = BoardReader(app_name_here())
         with contextlib.suppress(RuntimeError):  # no running loop outside Serve
@@ -172,20 +192,7 @@ class Ingress:
             body += chunk
             if len(body) > self.config.max_body_bytes:
                 raise APIError(f"request body larger than {self.config.max_body_bytes} bytes", 413)
-        try:
-            obj = json.loads(bytes(body))
-        except UnicodeDecodeError:
-            raise APIError("the body is not valid UTF-8", 400) from None
-        except (json.JSONDecodeError, RecursionError) as exc:
-            raise APIError(f"the body is not valid JSON: {exc}", 400) from None
-        if not isinstance(obj, dict):
-            raise APIError("the body must be a JSON object", 400)
-        if not _json_depth(obj, MAX_JSON_DEPTH):
-            raise APIError(f"the body is nested deeper than {MAX_JSON_DEPTH} levels", 400)
-        try:
-            return model.model_validate(obj)
-        except ValidationError as exc:
-            raise validation_error(exc) from None  # type: ignore[arg-type]
+        return await self.pre.run(_decode, bytes(body), model)
 
     async def _info(self, served: ServedModel) -> dict[str, Any]:
         """The replica's model facts: from the status board when it has them (no request slot
@@ -317,7 +324,7 @@ class Ingress:
             raise APIError("give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-            rendered = chat.render(
+            rendered = await self.pre.render(
                 served.tokenizer, chat.to_template_messages(body.messages), tools=tools,
                 chat_template=body.chat_template, add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
@@ -326,7 +333,8 @@ class Ingress:
             ids = rendered.token_ids
         else:
             add = True if body.add_special_tokens is None else body.add_special_tokens
-            ids = served.tokenizer.encode(body.prompt, add_special_tokens=add)
+            ids = await self.pre.run(served.tokenizer.encode, body.prompt,
+                                     add_special_tokens=add)
         out: dict[str, Any] = {"count": len(ids), "max_model_len": info["max_model_len"],
                                "tokens": ids}
         if body.return_token_strs:
@@ -380,10 +388,11 @@ class Ingress:
     async def _chat(self, request: Request, body: ChatCompletionRequest, served: ServedModel,
                     ticket: Ticket) -> Response:
         limits = await self._limits(served)
-        rendered = chat.render_request(served.tokenizer, body)
+        rendered = await self.pre.render(served.tokenizer, **chat.render_args(body))
         ids = chat.truncate(rendered.token_ids, body.truncate_prompt_tokens, limits.max_model_len)
-        params, options = sampling.build(body, prompt_len=len(ids), limits=limits,
-                                         tokenizer=served.tokenizer, chat=True)
+        # bad_words are tokenized here
+        params, options = await self.pre.run(sampling.build, body, prompt_len=len(ids),
+                                             limits=limits, tokenizer=served.tokenizer, chat=True)
         if body.modalities and any(m != "text" for m in body.modalities) or body.audio:
             raise APIError("audio output is not supported by this model", param="modalities")
         constraint = sampling.constraint_of(body)
@@ -396,7 +405,7 @@ class Ingress:
         if forced_tool is not None:
             constraint = forced_tool[0]
         if constraint is not None:
-            check_constraint_early(constraint)
+            await self.pre.run(check_constraint_early, constraint)
         rid = self._request_id("chatcmpl", body, request)
         n_gen = options.best_of or body.n
         in_think = served.has_think_tokens and _in_think(rendered.text)
@@ -545,12 +554,12 @@ class Ingress:
     async def _complete(self, request: Request, body: CompletionRequest, served: ServedModel,
                         ticket: Ticket) -> Response:
         limits = await self._limits(served)
-        prompts = self._prompts(body, served, limits)
+        prompts = await self.pre.run(self._prompts, body, served, limits)
         if len(prompts) > 1 and body.stream:
             raise APIError("streaming supports one prompt per request", param="prompt")
         constraint = sampling.constraint_of(body)
         if constraint is not None:
-            check_constraint_early(constraint)
+            await self.pre.run(check_constraint_early, constraint)
         rid = self._request_id("cmpl", body, request)
         headers = self._id_header(body, request)
         timeout = body.inference_timeout or self.config.request_timeout_s
@@ -559,8 +568,8 @@ class Ingress:
         started = time.monotonic()
         built = []
         for ids in prompts:  # validate every prompt before starting any
-            built.append(sampling.build(body, prompt_len=len(ids), limits=limits,
-                                        tokenizer=served.tokenizer, chat=False))
+            built.append(await self.pre.run(sampling.build, body, prompt_len=len(ids),
+                                            limits=limits, tokenizer=served.tokenizer, chat=False))
         for p_index, (ids, (params, options)) in enumerate(zip(prompts, built)):
             n_gen = options.best_of or body.n
             gen = GenerateRequest(f"{rid}-{p_index}", tuple(ids), params, constraint, n_gen,

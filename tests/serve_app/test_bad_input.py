@@ -172,6 +172,7 @@ CASES = [
     chat_case("continue_final_message-after-user", {"add_generation_prompt": False,
                                                     "continue_final_message": True},
               "continue_final_message"),
+    chat_case("chat_template-untrusted", {"chat_template": "{{ messages }}"}, "chat_template"),
     chat_case("chat_template-syntax-error", {"chat_template": "{% for m in messages %}"},
               "chat_template"),
     chat_case("chat_template-sandbox", {"chat_template": "{{ cycler.__init__.__globals__ }}"},

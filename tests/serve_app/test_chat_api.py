@@ -135,12 +135,17 @@ def _engine_gauges(base_url: str) -> dict[str, float]:
 
 
 def test_disconnect_mid_stream_frees_the_request(base_url: str) -> None:
-    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 900, "stream": True,
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 900, "stream": True, "n": 16,
             "ignore_eos": True}
     with httpx.stream("POST", f"{base_url}/chat/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         got = [next(lines) for _ in range(6)]
         assert any(line.startswith("data: ") for line in got)
+        # the gauges come from the replicas' reports, up to ~1 s old
+        deadline = time.monotonic() + 3
+        while (_engine_gauges(base_url)["vllm:num_requests_running"] < 1
+               and time.monotonic() < deadline):
+            time.sleep(0.1)
         assert _engine_gauges(base_url)["vllm:num_requests_running"] >= 1
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:

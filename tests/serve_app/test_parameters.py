@@ -37,7 +37,8 @@ BARE_MESSAGES = [{"role": "user", "content": "Q?"}]
 
 @pytest.fixture(scope="module")
 def base_url() -> str:
-    with running_app({"models": [SMALL_MODEL]}) as url:
+    # the tests render bare prompts through per-request templates
+    with running_app({"models": [SMALL_MODEL], "trust_request_chat_template": True}) as url:
         yield url
 
 
