@@ -3,13 +3,21 @@
 Runs inside each caller of the model deployment (the ingress). It remembers, per replica, the
 chained keys of the 16-token prompt blocks it recently sent there, made by the same function as
 the replica's own prefix cache (replicas/block_hash.py). A request goes to the replica holding
-its longest known prefix unless that replica has more than `imbalance` requests in flight beyond the least loaded one; otherwise (and
-when nothing matches) it falls back to the least loaded of two random replicas."""
+its longest known prefix unless that replica has more than `imbalance` requests in flight beyond
+the least loaded one; otherwise (and when nothing matches) it falls back to the least loaded of two
+random replicas.
+
+Per-request state is keyed by Serve's internal request id and ends with the request: a request's
+keys, made once in `choose_replicas` (which runs again on every backoff round), leave when it is
+routed, when it completes (Serve calls that for every dispatched request, rejected ones too) or
+when its routing future is cancelled (a request cancelled while queued reaches neither hook)."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
@@ -19,11 +27,17 @@ from replicas.request import GenerateRequest
 BLOCK = 16
 MAX_BLOCKS = 64  # look at most this far into a prompt
 MAX_ENTRIES = 200_000  # remembered block keys per replica
-MAX_PENDING = 10_000  # keys of requests being routed, kept from choosing to routing
+MAX_PENDING = 10_000  # requests being routed; a backstop, each also leaves with its request
 
 
 def block_keys(request: GenerateRequest) -> list[BlockKey]:
     return prefix_keys(request.prompt_token_ids, BLOCK, request.cache_salt, MAX_BLOCKS)
+
+
+@dataclass(frozen=True)
+class _Pending:
+    keys: list[BlockKey]
+    future: asyncio.Future  # the routing attempt watched for cancellation (a retry makes a new one)
 
 
 class PrefixAffinityRouter(RequestRouter):
@@ -31,10 +45,7 @@ class PrefixAffinityRouter(RequestRouter):
         self.imbalance = imbalance
         self.prefixes: dict[ReplicaID, OrderedDict[BlockKey, None]] = {}
         self.inflight: dict[ReplicaID, int] = {}
-        # internal request id -> its keys, from choose_replicas to on_request_routed; a request
-        # cancelled while queued never reaches the latter, so its entry leaves with its future
-        # (and the dict is bounded besides)
-        self.pending_keys: OrderedDict[str, list[BlockKey]] = OrderedDict()
+        self.pending: OrderedDict[str, _Pending] = OrderedDict()  # by internal request id
 
     @staticmethod
     def _request(pending: PendingRequest | None) -> GenerateRequest | None:
@@ -56,14 +67,23 @@ class PrefixAffinityRouter(RequestRouter):
             n += 1
         return n
 
-    def _remember_pending(self, pending: PendingRequest, keys: list[BlockKey]) -> None:
+    def _keys(self, pending: PendingRequest, request: GenerateRequest) -> list[BlockKey]:
         rid = pending.metadata.internal_request_id
-        if rid in self.pending_keys:
-            return
-        self.pending_keys[rid] = keys
-        while len(self.pending_keys) > MAX_PENDING:
-            self.pending_keys.popitem(last=False)
-        pending.future.add_done_callback(lambda _: self.pending_keys.pop(rid, None))
+        entry = self.pending.get(rid)
+        if entry is not None and entry.future is pending.future:
+            return entry.keys
+        keys = entry.keys if entry is not None else block_keys(request)
+        self.pending[rid] = _Pending(keys, pending.future)
+        self.pending.move_to_end(rid)
+        while len(self.pending) > MAX_PENDING:
+            self.pending.popitem(last=False)
+        pending.future.add_done_callback(lambda future: self._forget_cancelled(rid, future))
+        return keys
+
+    def _forget_cancelled(self, rid: str, future: asyncio.Future) -> None:
+        entry = self.pending.get(rid)
+        if future.cancelled() and entry is not None and entry.future is future:
+            del self.pending[rid]
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
@@ -74,10 +94,7 @@ class PrefixAffinityRouter(RequestRouter):
         load = {r.replica_id: self.inflight.get(r.replica_id, 0) for r in candidate_replicas}
         least = min(load.values())
         if request is not None:
-            keys = self.pending_keys.get(pending_request.metadata.internal_request_id)
-            if keys is None:
-                keys = block_keys(request)
-                self._remember_pending(pending_request, keys)
+            keys = self._keys(pending_request, request)
             best = max(candidate_replicas, key=lambda r: (self._match(r.replica_id, keys),
                                                           -load[r.replica_id]))
             if (self._match(best.replica_id, keys) > 0
@@ -91,8 +108,10 @@ class PrefixAffinityRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: object) -> None:
         self.inflight[replica_id] = self.inflight.get(replica_id, 0) + 1
-        keys = self.pending_keys.pop(pending_request.metadata.internal_request_id, None)
-        if keys is None:
+        entry = self.pending.pop(pending_request.metadata.internal_request_id, None)
+        if entry is not None:
+            keys = entry.keys
+        else:
             request = self._request(pending_request)
             keys = block_keys(request) if request is not None else []
         known = self.prefixes.setdefault(replica_id, OrderedDict())
@@ -103,6 +122,7 @@ class PrefixAffinityRouter(RequestRouter):
             known.popitem(last=False)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self.pending.pop(internal_request_id, None)
         if self.inflight.get(replica_id, 0) > 0:
             self.inflight[replica_id] -= 1
 

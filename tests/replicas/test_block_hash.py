@@ -1,152 +1,129 @@
-"""Prefix-cache keys: two different blocks built to share Python's old `hash()` key no longer share
-KV; cache_salt still isolates tenants; the router keys blocks with the cache's function; the
-router's per-request bookkeeping does not outlive a request that is never routed."""
+"""Block keys: unambiguous over salt, parent and tokens, chained into prefix keys; the router keys
+blocks with the cache's own function; the router's per-request state ends with the request however
+it ends (routed, rejected, cancelled while queued), not only when it is routed."""
 
 from __future__ import annotations
 
 import asyncio
-import types
 
-import pytest
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
+from ray.serve.request_router import PendingRequest, ReplicaID
 
 from replicas.block_hash import block_key, prefix_keys
 from replicas.kv_cache import BlockManager
 from replicas.request import GenerateRequest, SamplingParams, Sequence
 from replicas.router import BLOCK, PrefixAffinityRouter, block_keys
 
-M64 = 2**64
-P1, P2, P5 = 11400714785074694791, 14029467366897019727, 2870177450012600261
-
-
-def _rotl(x: int, r: int) -> int:
-    return ((x << r) | (x >> (64 - r))) % M64
-
-
-def _tuple_acc(items: list[int]) -> int:
-    """CPython's tuple hash accumulator (xxHash-style, 3.8+) before the length is mixed in."""
-    acc = P5
-    for item in items:
-        acc = _rotl((acc + hash(item) * P2) % M64, 31) * P1 % M64
-    return acc
-
-
-def _tuple_hash(items: list[int]) -> int:
-    acc = (_tuple_acc(items) + (len(items) ^ (P5 ^ 3527539))) % M64
-    if acc == M64 - 1:
-        return 1546275796
-    return acc - M64 if acc >= 2**63 else acc
-
-
-def colliding_blocks(size: int = 16) -> tuple[list[int], list[int]]:
-    """Two different blocks of non-negative token ids whose Python tuple hashes are equal: the
-    same length and the same last item's contribution once the accumulators meet, i.e.
-    acc_a + hash(x) * P2 == acc_b + hash(y) * P2 (mod 2^64); pick y, solve for x, and try other
-    second-to-last items until x is an int that is its own hash (one try in eight)."""
-    inv_p2 = pow(P2, -1, M64)
-    for other in range(2, 200):
-        a_head, b_head = [7] * (size - 2) + [1], [7] * (size - 2) + [other]
-        acc_a, acc_b = _tuple_acc(a_head), _tuple_acc(b_head)
-        y = 5
-        x = (y + (acc_b - acc_a) * inv_p2) % M64
-        if x < 2**61 - 1:
-            return a_head + [x], b_head + [y]
-    raise AssertionError("no colliding pair found")
-
-
-def test_the_tuple_hash_model_is_cpythons() -> None:
-    for items in ([], [1], [5, 6, 7], list(range(16))):
-        assert _tuple_hash(items) == hash(tuple(items))
-
-
-def _seq(seq_id: int, tokens: list[int], salt: str | None = None) -> Sequence:
-    return Sequence(seq_id, f"r{seq_id}", 0, list(tokens), len(tokens),
-                    SamplingParams(max_tokens=4), cache_salt=salt)
-
-
-def _cache_prompt(blocks: BlockManager, seq: Sequence) -> None:
-    """As the engine does: allocate the whole prompt, compute it, publish its full blocks."""
-    assert blocks.allocate(seq, len(seq))
-    seq.num_computed_tokens = len(seq)
-    blocks.commit_full_blocks(seq, 0)
-
-
-def test_blocks_with_the_same_old_hash_no_longer_share_kv() -> None:
-    a, b = colliding_blocks()
-    assert a != b and hash(tuple(a)) == hash(tuple(b))
-    assert hash((None, None, tuple(a))) == hash((None, None, tuple(b)))  # the old key
-    assert block_key(None, a, None) != block_key(None, b, None)
-
-    blocks = BlockManager(num_blocks=16, block_size=16)
-    owner = _seq(0, a + [3, 4, 5])  # one full block, then the tail
-    _cache_prompt(blocks, owner)
-    intruder = _seq(1, b + [3, 4, 5])
-    blocks.match_prefix(intruder)
-    assert intruder.num_cached_tokens == 0 and intruder.block_table == []
-    same = _seq(2, a + [9])  # a real hit still hits
-    blocks.match_prefix(same)
-    assert same.num_cached_tokens == 16 and same.block_table == owner.block_table[:1]
-
-
-def test_a_key_collision_still_needs_the_same_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Even if two blocks' digests collided, a hit compares the tokens themselves."""
-    import replicas.kv_cache as kv
-    monkeypatch.setattr(kv, "block_key", lambda parent, tokens, salt: b"same")
-    blocks = BlockManager(num_blocks=8, block_size=4)
-    _cache_prompt(blocks, _seq(0, [1, 2, 3, 4, 5]))
-    other = _seq(1, [1, 2, 3, 5, 5])
-    blocks.match_prefix(other)
-    assert other.num_cached_tokens == 0
-
-
-def test_cache_salt_isolates_tenants() -> None:
-    tokens = list(range(100, 133))
-    blocks = BlockManager(num_blocks=16, block_size=16)
-    _cache_prompt(blocks, _seq(0, tokens, salt="tenant-a"))
-    for seq_id, salt, cached in ((1, "tenant-b", 0), (2, None, 0), (3, "", 0),
-                                 (4, "tenant-a", 32)):
-        seq = _seq(seq_id, tokens + [1], salt)
-        blocks.match_prefix(seq)
-        assert seq.num_cached_tokens == cached, salt
+DEPLOYMENT = DeploymentID(name="model", app_name="app")
 
 
 def test_keys_are_unambiguous() -> None:
-    keys = {block_key(None, [1, 2], None), block_key(None, [1, 2], ""),
-            block_key(None, [1, 2], "\x00"), block_key(None, [1, 2, 0], None),
-            block_key(None, [258], None), block_key(block_key(None, [1], None), [2], None)}
-    assert len(keys) == 6
-    assert block_key(None, (1, 2), "s") == block_key(None, [1, 2], "s")
-    chain = prefix_keys(list(range(40)), 16, "s")
-    assert len(chain) == 2 and chain[1] == block_key(chain[0], list(range(16, 32)), "s")
+    root = block_key(None, [1], None)
+    keys = [block_key(None, [1, 2], None), block_key(None, [1, 2], ""),
+            block_key(None, [1, 2], "\x00"), block_key(None, [1, 2], "\x01"),
+            block_key(None, [1, 2, 0], None), block_key(None, [258], None),
+            block_key(None, [1, 2 + 2**32], None), block_key(root, [2], None),
+            block_key(root, [2], ""), block_key(None, [2], "\x01" + "\x00" * 16)]
+    assert len(set(keys)) == len(keys)
+    assert all(isinstance(k, bytes) and len(k) == 16 for k in keys)
+    assert block_key(None, (1, 2), "s") == block_key(None, [1, 2], "s")  # tuples and lists alike
+
+
+def test_prefix_keys_chain_block_keys() -> None:
+    ids = list(range(40))
+    chain = prefix_keys(ids, 16, "s")
+    assert chain == [block_key(None, ids[:16], "s"), block_key(chain[0], ids[16:32], "s")]
+    assert prefix_keys(tuple(ids), 16, "s") == chain
+    assert prefix_keys(ids, 16, "s", max_blocks=1) == chain[:1]
+    assert prefix_keys(ids[:15], 16, "s") == []
+    assert prefix_keys(ids, 16, None) != chain
 
 
 def test_the_router_keys_blocks_as_the_cache_does() -> None:
     ids = tuple(range(3, 3 + 3 * BLOCK + 5))
     request = GenerateRequest("r", ids, SamplingParams(max_tokens=1), cache_salt="t")
     blocks = BlockManager(num_blocks=16, block_size=BLOCK)
-    seq = _seq(0, list(ids), "t")
-    _cache_prompt(blocks, seq)
-    cache_keys = [blocks.blocks[b].key for b in seq.block_table[:3]]
-    assert block_keys(request) == cache_keys
+    seq = Sequence(0, "r", 0, list(ids), len(ids), SamplingParams(max_tokens=1), cache_salt="t")
+    assert blocks.allocate(seq, len(seq))
+    seq.num_computed_tokens = len(seq)
+    blocks.commit_full_blocks(seq, 0)
+    assert block_keys(request) == [blocks.blocks[b].key for b in seq.block_table[:3]]
 
 
-def _pending(request: GenerateRequest, rid: str) -> types.SimpleNamespace:
-    loop = asyncio.new_event_loop()
-    return types.SimpleNamespace(args=[request], kwargs={}, future=loop.create_future(),
-                                 metadata=types.SimpleNamespace(internal_request_id=rid))
-
-
-def test_a_request_never_routed_leaves_no_entry() -> None:
-    router = PrefixAffinityRouter.__new__(PrefixAffinityRouter)
+def _router() -> PrefixAffinityRouter:
+    router = PrefixAffinityRouter(deployment_id=DEPLOYMENT,
+                                  handle_source=DeploymentHandleSource.UNKNOWN)
     router.initialize_state()
-    replica = types.SimpleNamespace(replica_id="rep-1")
-    request = GenerateRequest("r", tuple(range(40)), SamplingParams(max_tokens=1))
-    routed, cancelled = _pending(request, "a"), _pending(request, "b")
-    for p in (routed, cancelled):
-        asyncio.run(router.choose_replicas([replica], p))
-    assert set(router.pending_keys) == {"a", "b"}
-    router.on_request_routed(routed, "rep-1", None)
-    assert set(router.pending_keys) == {"b"}
-    cancelled.future.cancel()  # cancelled while queued: on_request_routed never comes
-    cancelled.future.get_loop().run_until_complete(asyncio.sleep(0))  # run done-callbacks
-    assert router.pending_keys == {}
-    assert router._match("rep-1", block_keys(request)) == 2
+    return router
+
+
+class _Replica:
+    """What choose_replicas reads of a RunningReplica."""
+
+    def __init__(self, name: str) -> None:
+        self.replica_id = ReplicaID(unique_id=name, deployment_id=DEPLOYMENT)
+
+
+def _pending(rid: str, prompt: tuple[int, ...]) -> PendingRequest:
+    request = GenerateRequest(rid, prompt, SamplingParams(max_tokens=1))
+    return PendingRequest(args=[request], kwargs={},
+                          metadata=RequestMetadata(request_id=rid, internal_request_id=rid))
+
+
+def test_pending_keys_end_with_the_request_however_it_ends() -> None:
+    async def scenario() -> None:
+        router, replica = _router(), _Replica("a")
+        prompt = tuple(range(40))
+        routed, rejected, cancelled = (_pending(rid, prompt)
+                                       for rid in ("routed", "rejected", "cancelled"))
+        for p in (routed, rejected, cancelled):
+            await router.choose_replicas([replica], p)
+        keys = router.pending["routed"].keys
+        await router.choose_replicas([replica], routed)  # a backoff round reuses the keys
+        assert router.pending["routed"].keys is keys
+        assert set(router.pending) == {"routed", "rejected", "cancelled"}
+
+        routed.future.set_result(replica)
+        await asyncio.sleep(0)  # run the future's callbacks: a resolved one keeps its keys
+        router.on_request_routed(routed, replica.replica_id, None)
+        assert "routed" not in router.pending
+        assert router._match(replica.replica_id, block_keys(routed.args[0])) == 2
+
+        rejected.future.set_result(replica)  # dispatched, refused by the replica
+        router.on_request_completed(replica.replica_id, "rejected")
+        assert "rejected" not in router.pending
+
+        cancelled.future.cancel()  # the caller gave up while queued: neither hook comes
+        await asyncio.sleep(0)
+        assert router.pending == {}
+
+    asyncio.run(scenario())
+
+
+def test_a_retried_request_is_still_forgotten_when_cancelled() -> None:
+    async def scenario() -> None:
+        router, replica = _router(), _Replica("a")
+        pending = _pending("r", tuple(range(40)))
+        await router.choose_replicas([replica], pending)
+        first = pending.future
+        first.set_result(replica)
+        pending.reset_future()  # Serve's retry after a rejection, before its completion arrives
+        await router.choose_replicas([replica], pending)
+        await asyncio.sleep(0)
+        assert router.pending["r"].future is pending.future
+        pending.future.cancel()
+        await asyncio.sleep(0)
+        assert router.pending == {}
+
+    asyncio.run(scenario())
+
+
+def test_requests_without_a_prompt_leave_nothing() -> None:
+    async def scenario() -> None:
+        router, replica = _router(), _Replica("a")
+        pending = PendingRequest(args=["not a GenerateRequest"], kwargs={},
+                                 metadata=RequestMetadata(request_id="x", internal_request_id="x"))
+        assert await router.choose_replicas([replica], pending) == [[replica]]
+        assert router.pending == {}
+
+    asyncio.run(scenario())
