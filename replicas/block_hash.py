@@ -41,7 +41,7 @@ def block_key(parent: BlockKey | None, tokens: Sequence[int], salt: str | None) 
 
 def prefix_keys(token_ids: Sequence[int], block_size: int, salt: str | None,
                 max_blocks: int | None = None) -> list[BlockKey]:
-    """The chained keys of the full blocks at the start of `token_ids`, as `block_key` makes them."""
+    """The chained keys of the full blocks at the start of `token_ids`, as block_key makes them."""
     n = len(token_ids) // block_size
     if max_blocks is not None:
         n = min(n, max_blocks)

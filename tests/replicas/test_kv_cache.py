@@ -55,7 +55,7 @@ def _seq(seq_id: int, tokens: list[int], salt: str | None = None) -> Sequence:
 
 
 def _run_prompt(blocks: BlockManager, seq: Sequence) -> None:
-    """As the engine does: match, allocate the rest of the prompt, compute it, publish its blocks."""
+    """As the engine does: match, allocate the rest of the prompt, compute it, publish blocks."""
     blocks.match_prefix(seq)
     before = seq.num_computed_tokens
     assert blocks.allocate(seq, len(seq) - before)
