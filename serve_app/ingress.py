@@ -277,6 +277,8 @@ class Ingress:
         last report (at most a few seconds old) says; answered from the local snapshot, so it
         never waits behind generation work."""
         self.board.start()
+        if self.board.draining:  # load balancers: stop sending here
+            return APIError("the server is shutting down", 503).response()
         for served in self.registry.models.values():
             why = unhealthy_reason(served.name, self.board.fresh(served.name))
             if why is not None:
@@ -329,7 +331,7 @@ class Ingress:
                 chat_template=body.chat_template, add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
                 add_special_tokens=bool(body.add_special_tokens),
-                template_kwargs=body.chat_template_kwargs)
+                template_kwargs=body.chat_template_kwargs, client=client_id(request))
             ids = rendered.token_ids
         else:
             add = True if body.add_special_tokens is None else body.add_special_tokens
@@ -379,7 +381,7 @@ class Ingress:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
-        self.admission.check_room()
+        self.admission.check_room(self.board.draining)
         body = await self._parse(request, ChatCompletionRequest)
         served = self.registry.resolve(body.model)
         ticket = self._admit(served, request)
@@ -388,7 +390,8 @@ class Ingress:
     async def _chat(self, request: Request, body: ChatCompletionRequest, served: ServedModel,
                     ticket: Ticket) -> Response:
         limits = await self._limits(served)
-        rendered = await self.pre.render(served.tokenizer, **chat.render_args(body))
+        rendered = await self.pre.render(served.tokenizer, **chat.render_args(body),
+                                         client=client_id(request))
         ids = chat.truncate(rendered.token_ids, body.truncate_prompt_tokens, limits.max_model_len)
         # bad_words are tokenized here
         params, options = await self.pre.run(sampling.build, body, prompt_len=len(ids),
@@ -545,7 +548,7 @@ class Ingress:
     # ---- /v1/completions -----------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        self.admission.check_room()
+        self.admission.check_room(self.board.draining)
         body = await self._parse(request, CompletionRequest)
         served = self.registry.resolve(body.model)
         ticket = self._admit(served, request)

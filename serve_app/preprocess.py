@@ -29,9 +29,10 @@ class Preprocessor:
     def __init__(self, config: AppConfig) -> None:
         self.trust_request_templates = config.trust_request_chat_template
         self._threads = ThreadPoolExecutor(THREADS, thread_name_prefix="preprocess")
-        # worker processes start on the first per-request template, never without the flag
         self.sandbox = TemplateSandbox(timeout_s=config.chat_template_timeout_s,
                                        max_chars=config.max_rendered_prompt_chars)
+        if self.trust_request_templates:  # never a worker process without the flag
+            self.sandbox.start()
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """fn(*args, **kwargs) on a preprocessing thread."""
@@ -42,9 +43,10 @@ class Preprocessor:
                      chat_template: str | None = None, add_special_tokens: bool = False,
                      add_generation_prompt: bool = True, continue_final_message: bool = False,
                      template_kwargs: dict[str, Any] | None = None,
-                     tools: list[dict] | None = None,
-                     documents: list[dict] | None = None) -> chat.RenderedPrompt:
-        """Messages -> prompt text and token ids, with the model's template or the request's."""
+                     tools: list[dict] | None = None, documents: list[dict] | None = None,
+                     client: str | None = None) -> chat.RenderedPrompt:
+        """Messages -> prompt text and token ids, with the model's template or the request's
+        (`client`, as auth.client_id names it, gets its turn in the template workers)."""
         args = {"tools": tools, "documents": documents,
                 "add_generation_prompt": add_generation_prompt,
                 "continue_final_message": continue_final_message}
@@ -57,9 +59,10 @@ class Preprocessor:
                            "model's own template unless started with "
                            "--trust-request-chat-template", param="chat_template")
         chat.check_render_args(messages, add_generation_prompt, continue_final_message)
+        # as apply_chat_template: the special tokens, which the request's kwargs may override
         variables = {**tokenizer.special_tokens_map, **chat.template_variables(template_kwargs)}
         text = await self.sandbox.render(messages, chat_template=chat_template, **args,
-                                         **variables)
+                                         variables=variables, client=client)
         ids = await self.run(tokenizer.encode, text, add_special_tokens=add_special_tokens)
         return chat.RenderedPrompt(text, list(ids))
 

@@ -4,12 +4,17 @@ limit.
 A template is a program: `{% for i in range(100000) %}{% for j in range(100000) %}` runs for hours,
 `{{ 'x' * 10**10 }}` asks for 10 GB, and Jinja cannot be interrupted from outside the thread running
 it (which would also hold the GIL the whole time). So a request's own `chat_template` (accepted only
-with `--trust-request-chat-template`, as vLLM) renders in a small pool of worker processes: fresh
-interpreters that import only transformers' Jinja helpers (no torch), each under an address-space
-cap. A render that passes its time limit (counted from the request, waiting for a worker included)
-gets its worker killed and replaced; one whose output passes the size limit or that fails is a 400.
-The rendering is transformers' own (`render_jinja_template`, the sandboxed environment
-`apply_chat_template` uses), so a template renders here exactly as it would as the model's."""
+with `--trust-request-chat-template`, as vLLM) renders in a small pool of worker processes
+(serve_app/template_worker.py: fresh interpreters, transformers' own rendering, an address-space
+cap, output cut at the size limit as it streams). A render still going at its time limit gets its
+worker killed, and a replacement starts at once.
+
+The workers are few (2), so the time limit counts from the request, every wait included (for a
+worker to come free, or for a replacement to finish starting): a flood of templates turns into
+prompt 503s (no worker in time) and 400s (the template ran out of time), never an ever longer
+queue. And each client (an API key's digest or an address, as the
+ingress names it) has at most one render in the workers at a time, its others waiting in a line of
+their own on their own clock, so one client cannot hold every worker."""
 
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -27,49 +33,24 @@ from typing import Any
 from serve_app.errors import APIError
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+START_TIMEOUT_S = 60.0  # a worker still not started after this is replaced
+RETRY_AFTER_S = 1
 
 
-def _serve(read_fd: int, write_fd: int, max_memory_bytes: int) -> None:
-    """Worker main: render jobs until EOF; exits with its parent."""
-    import resource
+class _TimedOut(Exception):
+    """The render ran out of time; its worker was killed."""
 
-    from transformers.utils.chat_template_utils import render_jinja_template
 
-    inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
-    parent = os.getppid()
-
-    def exit_with_parent() -> None:  # a killed ingress must not leave a render running
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(0)
-
-    threading.Thread(target=exit_with_parent, daemon=True).start()
-    if max_memory_bytes:
-        resource.setrlimit(resource.RLIMIT_AS, (max_memory_bytes, max_memory_bytes))
-    outbox.send(("ready", None))
-    while True:
-        try:
-            job = inbox.recv()
-        except (EOFError, OSError):
-            return
-        try:
-            rendered, _ = render_jinja_template(conversations=[job["messages"]], **job["kwargs"])
-            text = rendered[0]
-            if len(text) > job["max_chars"]:
-                outbox.send(("too_large", len(text)))
-            else:
-                outbox.send(("ok", text))
-        except MemoryError:
-            outbox.send(("error", "the template needs more memory than allowed"))
-        except Exception as exc:  # noqa: BLE001 (anything the template does is the client's 400)
-            outbox.send(("error", f"{type(exc).__name__}: {exc}"))
+class _NoWorker(Exception):
+    """No started worker before the deadline (all busy, or the new one still starting)."""
 
 
 @dataclass(eq=False)
 class _Worker:
     process: subprocess.Popen
-    inbox: Connection
-    outbox: Connection
+    inbox: Connection  # parent -> worker
+    outbox: Connection  # worker -> parent
+    spawned: float = field(default_factory=time.monotonic)
     ready: bool = False
 
     def kill(self) -> None:
@@ -79,47 +60,133 @@ class _Worker:
         self.outbox.close()
 
 
-class _TimedOut(Exception):
-    pass
+@dataclass(eq=False)
+class _Lane:
+    """One client's line: its renders in the workers, and how many of its requests hold it."""
+    slots: asyncio.Semaphore
+    users: int = 0
 
 
-@dataclass
 class TemplateSandbox:
-    processes: int = 2
-    timeout_s: float = 5.0
-    max_chars: int = 4 * 2**20
-    max_memory_mb: int = 1024
-    _idle: list[_Worker] = field(default_factory=list)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-    _threads: ThreadPoolExecutor | None = None
+    """`processes` workers rendering per-request templates.
 
-    async def render(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
-        """transformers' rendering of `messages` with kwargs (chat_template, tools, documents,
-        add_generation_prompt, continue_final_message, template variables)."""
-        if self._threads is None:
-            self._threads = ThreadPoolExecutor(self.processes, thread_name_prefix="template")
+    timeout_s: the most a render may take from the call, waiting included (400 past it, or 503
+    when no worker came free in time). max_chars: the most a rendering may print (400 past it).
+    max_memory_mb: each worker's address-space cap (a template that needs more is a 400).
+    per_client: renders one client may have in the workers at once. Use from one event loop.
+    """
+
+    def __init__(self, processes: int = 2, timeout_s: float = 5.0, max_chars: int = 4 * 2**20,
+                 max_memory_mb: int = 1024, per_client: int = 1) -> None:
+        self.processes = max(1, processes)
+        self.timeout_s = timeout_s
+        self.max_chars = max_chars
+        self.max_memory_mb = max_memory_mb
+        self.per_client = per_client
+        self._idle: list[_Worker] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        # one thread per worker: a render holds a slot before it is handed to a thread, so jobs
+        # never queue in the executor, where their deadlines could not be watched
+        self._threads = ThreadPoolExecutor(self.processes, thread_name_prefix="template")
+        self._slots: asyncio.Semaphore | None = None  # made on the loop that renders
+        self._lanes: dict[str, _Lane] = {}
+
+    def start(self) -> None:
+        """Start the workers now rather than on the first template (they start in ~0.5 s)."""
+        with self._lock:
+            while len(self._idle) < self.processes and not self._closed:
+                self._idle.append(self._spawn())
+
+    async def render(self, messages: list[dict[str, Any]], *, chat_template: str,
+                     tools: list[dict] | None = None, documents: list[dict] | None = None,
+                     add_generation_prompt: bool = True, continue_final_message: bool = False,
+                     variables: dict[str, Any] | None = None, client: str | None = None) -> str:
+        """transformers' rendering of `messages` with `chat_template` and the template
+        `variables` (the tokenizer's special tokens, the request's chat_template_kwargs)."""
         deadline = time.monotonic() + self.timeout_s
-        job = {"messages": messages, "kwargs": kwargs, "max_chars": self.max_chars}
+        job = {"messages": messages, "chat_template": chat_template, "tools": tools,
+               "documents": documents, "add_generation_prompt": add_generation_prompt,
+               "continue_final_message": continue_final_message, "variables": variables or {}}
+        release = await self._turn(client, deadline)
         loop = asyncio.get_running_loop()
         try:
-            status, payload = await loop.run_in_executor(self._threads, self._run, job, deadline)
+            future = loop.run_in_executor(self._threads, self._run, job, deadline)
+        except BaseException:
+            release()
+            raise
+
+        def done(f: asyncio.Future) -> None:
+            release()
+            if not f.cancelled():
+                f.exception()  # retrieved: a caller that left no longer will
+
+        # the worker is given back when the render ends, not when a caller that left stops
+        # waiting: a client that hangs up cannot start renders beyond the pool
+        future.add_done_callback(done)
+        try:
+            status, payload = await asyncio.shield(future)
         except _TimedOut:
-            raise APIError(f"the chat template took longer than {self.timeout_s:g} s to render",
-                           param="chat_template") from None
+            raise APIError(f"the chat template took longer than {self.timeout_s:g} s to render "
+                           "(the server's chat_template_timeout_s)", param="chat_template") from None
+        except _NoWorker:
+            raise self._busy() from None
         if status == "ok":
             return payload
         if status == "too_large":
-            raise APIError(f"the chat template rendered {payload} characters, more than the "
-                           f"{self.max_chars} allowed", param="chat_template")
+            raise APIError(f"the chat template rendered more than the {self.max_chars} characters "
+                           "allowed (the server's max_rendered_prompt_chars)",
+                           param="chat_template")
         raise APIError(f"chat template error: {payload}", param="chat_template")
 
+    async def _turn(self, client: str | None, deadline: float) -> Callable[[], None]:
+        """Waits for `client`'s turn and a free worker before `deadline`; returns the release."""
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.processes)
+        slots = self._slots
+        lane = None
+        if client is not None:
+            lane = self._lanes.setdefault(client, _Lane(asyncio.Semaphore(self.per_client)))
+            lane.users += 1
+        acquired: list[asyncio.Semaphore] = []
+
+        def release() -> None:
+            for semaphore in acquired:
+                semaphore.release()
+            acquired.clear()
+            if lane is not None:
+                lane.users -= 1
+                if lane.users == 0:
+                    del self._lanes[client]
+
+        try:
+            for semaphore in ([lane.slots] if lane is not None else []) + [slots]:
+                try:
+                    await asyncio.wait_for(semaphore.acquire(),
+                                           max(0.0, deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    raise self._busy() from None
+                acquired.append(semaphore)
+        except BaseException:
+            release()
+            raise
+        return release
+
+    def _busy(self) -> APIError:
+        return APIError(f"the chat template workers are busy: none came free within the "
+                        f"{self.timeout_s:g} s limit; retry later", 503, param="chat_template",
+                        retry_after=RETRY_AFTER_S)
+
     def _spawn(self) -> _Worker:
+        # A fresh interpreter running only the worker module: unlike multiprocessing's spawn it
+        # never re-imports the parent's __main__ (a Ray worker's), and unlike fork it carries no
+        # threads, torch, Ray or event-loop state.
         to_worker_r, to_worker_w = os.pipe()
         to_parent_r, to_parent_w = os.pipe()
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
-        code = (f"from serve_app.template_sandbox import _serve; "
-                f"_serve({to_worker_r}, {to_parent_w}, {self.max_memory_mb * 2**20})")
+        code = (f"from serve_app.template_worker import main; main({to_worker_r}, {to_parent_w}, "
+                f"{self.max_chars}, {self.max_memory_mb * 2**20})")
         try:
             process = subprocess.Popen([sys.executable, "-c", code], env=env,
                                        pass_fds=(to_worker_r, to_parent_w),
@@ -130,37 +197,59 @@ class TemplateSandbox:
         return _Worker(process, Connection(to_worker_w, readable=False),
                        Connection(to_parent_r, writable=False))
 
-    def _run(self, job: dict[str, Any], deadline: float) -> tuple[str, Any]:
-        """On a pool thread (at most `processes` at once): one job on one worker."""
-        if time.monotonic() >= deadline:  # its time went by waiting for a worker
-            raise _TimedOut()
+    def _take(self) -> _Worker:
         with self._lock:
-            worker = self._idle.pop() if self._idle else self._spawn()
-        try:
-            if not worker.ready:  # a fresh interpreter: its start is not the template's time
-                starting = time.monotonic()
-                if not worker.outbox.poll(60.0):
-                    raise _TimedOut()
+            if self._closed:
+                raise _NoWorker()
+            if not self._idle:
+                return self._spawn()
+            # a started worker (its "ready" maybe not read yet) before one still starting
+            worker = next((w for w in self._idle if w.ready or w.outbox.poll()), self._idle[0])
+            self._idle.remove(worker)
+            return worker
+
+    def _retire(self, worker: _Worker, healthy: bool) -> None:
+        with self._lock:
+            if healthy and not self._closed:
+                self._idle.append(worker)
+                return
+            if not self._closed:  # its replacement starts now, not on the next request
+                self._idle.append(self._spawn())
+        worker.kill()
+
+    def _run(self, job: dict[str, Any], deadline: float) -> tuple[str, Any]:
+        """On a pool thread, holding a slot: one job on one worker."""
+        worker = self._take()
+        if not worker.ready:  # a replacement still starting: that wait is inside the limit too
+            try:
+                if not worker.outbox.poll(max(0.0, deadline - time.monotonic())):
+                    stuck = time.monotonic() - worker.spawned > START_TIMEOUT_S
+                    self._retire(worker, healthy=not stuck)
+                    raise _NoWorker()
                 worker.outbox.recv()
-                worker.ready = True
-                deadline += time.monotonic() - starting
+            except (EOFError, OSError):
+                self._retire(worker, healthy=False)
+                raise _NoWorker() from None
+            worker.ready = True
+        try:
             worker.inbox.send(job)
             if not worker.outbox.poll(max(0.0, deadline - time.monotonic())):
                 raise _TimedOut()
-            result = worker.outbox.recv()
-        except (_TimedOut, EOFError, OSError) as exc:
-            worker.kill()
-            if isinstance(exc, _TimedOut):
-                raise
+            reply = worker.outbox.recv()
+        except _TimedOut:
+            self._retire(worker, healthy=False)
+            raise
+        except (EOFError, OSError):
+            self._retire(worker, healthy=False)
             return ("error", "the template's worker died (out of memory?)")
-        with self._lock:
-            self._idle.append(worker)
-        return result
+        self._retire(worker, healthy=True)
+        return reply
 
     def close(self) -> None:
+        """Kill the idle workers (a busy one when its render ends); new renders get 503."""
         with self._lock:
+            self._closed = True
             workers, self._idle = self._idle, []
         for worker in workers:
             worker.kill()
-        if self._threads is not None:
-            self._threads.shutdown(wait=False, cancel_futures=True)
+        self._threads.shutdown(wait=False, cancel_futures=True)

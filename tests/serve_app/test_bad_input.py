@@ -250,6 +250,9 @@ CASES = [
     raw_case("completions-lone-surrogate", json.dumps({"model": MODEL, "prompt": "x\udc00"})
              .encode(), "prompt", path=CMPL),
     case("tokenize-neither-prompt-nor-messages", "/tokenize", {"model": MODEL}, "prompt"),
+    case("tokenize-chat_template-untrusted", "/tokenize",
+         {"model": MODEL, "messages": MESSAGES, "chat_template": "{{ messages }}"},
+         "chat_template"),
     case("detokenize-id-out-of-vocab", "/detokenize", {"model": MODEL, "tokens": [4000]},
          "tokens"),
     case("detokenize-id-negative", "/detokenize", {"model": MODEL, "tokens": [-1]},
