@@ -7,6 +7,10 @@ stats dict every `REPORT_PERIOD_S` to one named, CPU-less async actor per applic
 ingress replica pulls the whole board on the same period into a local snapshot that its routes
 read without awaiting anything.
 
+The board also carries the application's draining flag: `shardserve serve`, stopping, raises it,
+and every ingress then answers new generation requests and /health with 503 while what is in
+flight finishes.
+
 The board is owned by whichever process created it first; if that process goes away the board
 goes with it, and the next report or read creates it again (`get_if_exists`), so nothing outlives
 the application."""
@@ -35,6 +39,10 @@ NAMESPACE = "shardserve"
 class StatusBoard:
     def __init__(self) -> None:
         self.reports: dict[str, dict[str, tuple[float, dict[str, Any]]]] = {}
+        self.draining = False
+
+    async def set_draining(self, draining: bool) -> None:
+        self.draining = draining
 
     async def report(self, model: str, replica: str, stats: dict[str, Any]) -> None:
         self.reports.setdefault(model, {})[replica] = (time.time(), stats)
@@ -42,12 +50,12 @@ class StatusBoard:
     async def forget(self, model: str, replica: str) -> None:
         self.reports.get(model, {}).pop(replica, None)
 
-    async def read(self) -> dict[str, dict[str, tuple[float, dict[str, Any]]]]:
+    async def read(self) -> tuple[dict[str, dict[str, tuple[float, dict[str, Any]]]], bool]:
         now = time.time()
         for replicas in self.reports.values():  # replicas gone for good stop being reported
             for replica in [r for r, (t, _) in replicas.items() if now - t > 10 * STALE_AFTER_S]:
                 del replicas[replica]
-        return self.reports
+        return self.reports, self.draining
 
 
 def board_name(app_name: str) -> str:
@@ -107,6 +115,7 @@ class BoardReader:
     def __init__(self, app_name: str) -> None:
         self.app_name = app_name
         self.snapshot: dict[str, dict[str, tuple[float, dict[str, Any]]]] = {}
+        self.draining = False
         self.read_at = 0.0  # time.time() of the last successful read
         self._task: asyncio.Task | None = None
 
@@ -120,8 +129,8 @@ class BoardReader:
             try:
                 if board is None:
                     board = get_board(self.app_name)
-                self.snapshot = await asyncio.wait_for(board.read.remote(),
-                                                       timeout=STALE_AFTER_S)
+                self.snapshot, self.draining = await asyncio.wait_for(board.read.remote(),
+                                                                      timeout=STALE_AFTER_S)
                 self.read_at = time.time()
             except asyncio.CancelledError:
                 raise

