@@ -25,7 +25,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from replicas.request import GenerateRequest, TokenBatch
 from replicas.status_board import BoardReader, app_name_here, unhealthy_reason
-from serve_app import admission, chat, sampling, tool_choice
+from serve_app import admission, chat, openapi, sampling, tool_choice
 from serve_app.admission import Admission, Ticket
 from serve_app.auth import APIKeys, client_id, read_key_file, require_api_key
 from serve_app.config import AppConfig
@@ -56,6 +56,7 @@ T = TypeVar("T", bound=BaseModel)
 
 app = FastAPI(title="shardserve", version=VERSION, dependencies=[Depends(require_api_key)])
 install_handlers(app)
+openapi.install(app)
 
 
 def check_constraint_early(constraint: Constraint) -> None:
@@ -317,7 +318,7 @@ class Ingress:
         return ModelCard(id=served.name, created=served.created, root=served.config.model,
                          max_model_len=info["max_model_len"])
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=openapi.body(TokenizeRequest))
     async def tokenize(self, request: Request) -> dict:
         body = await self._parse(request, TokenizeRequest)
         served = self.registry.resolve(body.model)
@@ -343,7 +344,7 @@ class Ingress:
             out["token_strs"] = served.tokenizer.convert_ids_to_tokens(ids)
         return out
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=openapi.body(DetokenizeRequest))
     async def detokenize(self, request: Request) -> dict:
         body = await self._parse(request, DetokenizeRequest)
         served = self.registry.resolve(body.model)
@@ -379,7 +380,8 @@ class Ingress:
         weakref.finalize(response.body_iterator, ticket.release)
         return response
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions",
+              openapi_extra=openapi.body(ChatCompletionRequest, streams=True))
     async def chat_completions(self, request: Request) -> Response:
         self.admission.check_room(self.board.draining)
         body = await self._parse(request, ChatCompletionRequest)
@@ -546,7 +548,8 @@ class Ingress:
             token_ids=delta.token_ids if options.return_token_ids else None)
 
     # ---- /v1/completions -----------------------------------------------------------------------
-    @app.post("/v1/completions")
+    @app.post("/v1/completions",
+              openapi_extra=openapi.body(CompletionRequest, streams=True))
     async def completions(self, request: Request) -> Response:
         self.admission.check_room(self.board.draining)
         body = await self._parse(request, CompletionRequest)

@@ -324,6 +324,10 @@ Tools = Annotated[list[Tool] | None, at_most(MAX_TOOLS, "tools")]
 
 
 class ChatCompletionRequest(SamplingFields):
+    # the /openapi.json example (the docs page shows it; API fuzzers start from it)
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "model": "shardserve/tiny-llama", "messages": [{"role": "user", "content": "Hello"}],
+        "max_tokens": 16}]})
     messages: Messages = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -346,12 +350,16 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "model": "shardserve/tiny-llama", "prompt": "Once upon a time", "max_tokens": 16}]})
     prompt: Annotated[str | list[str] | list[int] | list[list[int]],
                       BeforeValidator(_prompt_count)]
     logprobs: int | None = Field(None, ge=0, le=20)
 
 
 class TokenizeRequest(_Request):
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "model": "shardserve/tiny-llama", "messages": [{"role": "user", "content": "Hello"}]}]})
     model: str | None = None
     prompt: str | None = None
     messages: Messages | None = None
@@ -365,6 +373,8 @@ class TokenizeRequest(_Request):
 
 
 class DetokenizeRequest(_Request):
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "model": "shardserve/tiny-llama", "tokens": [1, 2, 3]}]})
     model: str | None = None
     tokens: list[TokenId]
 
