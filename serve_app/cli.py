@@ -204,10 +204,11 @@ def serve_main(args: argparse.Namespace) -> int:
             if started_ray:
                 tracker.record()  # haproxy is reloaded (a new pid) whenever replicas change
             time.sleep(0.5)
-        if started_ray and not tracker.ray_alive():
+        if started_ray and tracker.ray_stopping(within_s=1.0):
             # the signal reached Ray's own processes too (`kill -TERM -<pgid>`): nothing is left
             # to drain or to ask
-            print("shardserve: stopping: Ray's processes are already gone", flush=True)
+            print("shardserve: stopping: Ray's processes got the signal too, so there is no "
+                  "drain; ending them", flush=True)
             exit_code = 0
             return 0
         print(f"shardserve: stopping: draining for up to {config.shutdown_grace_s:g} s "
@@ -221,7 +222,8 @@ def serve_main(args: argparse.Namespace) -> int:
         # cluster we did not start, only our app goes (others may be served there too)
         stop_serve = serve.shutdown if started_ray else (lambda: serve.delete(APP_NAME))
         if not shutdown.run_with_timeout(stop_serve, 10.0 if signals < 2 else 1.0):
-            print("shardserve: Serve did not shut down in time; stopping Ray", file=sys.stderr)
+            print("shardserve: Serve did not shut down in time"
+                  + ("; stopping Ray" if started_ray else ""), file=sys.stderr)
         exit_code = 0
         return 0
     finally:

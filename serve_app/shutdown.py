@@ -32,6 +32,7 @@ from typing import IO, Any
 import psutil
 
 logger = logging.getLogger(__name__)
+RAY_AGENTS = {"ray::DashboardAgent", "ray::RuntimeEnvAgent"}
 
 
 class ProcessTracker:
@@ -41,6 +42,7 @@ class ProcessTracker:
         self.me = me or psutil.Process()
         self.seen: dict[int, psutil.Process] = {}
         self.haproxy_configs: set[str] = set()
+        self.system: set[int] = set()  # Ray's system processes among them
         self._reaper: IO[str] | None = None
         self._reaper_pid: int | None = None
 
@@ -66,6 +68,8 @@ class ProcessTracker:
             if p.pid in self.seen:
                 continue
             self.seen[p.pid] = p
+            if _parent(p) == self.me.pid or _name(p) in RAY_AGENTS:
+                self.system.add(p.pid)
             config = _haproxy_config(p)
             if config is not None:
                 self.haproxy_configs.add(config)
@@ -81,8 +85,21 @@ class ProcessTracker:
                 self._reaper = None
 
     def ray_alive(self) -> bool:
-        """Whether the raylet this command started still runs."""
-        return any(_alive(p) and _name(p) == "raylet" for p in self.seen.values())
+        """Whether every Ray system process this command started still runs: its own children
+        (GCS server, raylet, log monitor, dashboard) and the raylet's agents. A signal to the
+        whole process group kills some of them at once and leaves Ray unable to answer."""
+        system = [self.seen[pid] for pid in self.system]
+        return bool(system) and all(_alive(p) for p in system)
+
+    def ray_stopping(self, within_s: float) -> bool:
+        """Whether one of Ray's system processes goes away within `within_s` (they got the
+        signal too)."""
+        deadline = time.monotonic() + within_s
+        while self.ray_alive():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
+        return True
 
     def leftovers(self) -> list[psutil.Process]:
         alive = [p for pid, p in self.seen.items() if pid != self._reaper_pid and _alive(p)]
@@ -96,7 +113,7 @@ class ProcessTracker:
             pass
         return alive
 
-    def reap(self, timeout_s: float = 5.0) -> list[str]:
+    def reap(self, timeout_s: float = 2.0) -> list[str]:
         """Terminates what is left (SIGTERM, then SIGKILL); returns their command names."""
         procs = self.leftovers()
         names = []
@@ -140,6 +157,13 @@ def _name(p: psutil.Process) -> str:
         return p.name()
     except psutil.Error:
         return ""
+
+
+def _parent(p: psutil.Process) -> int | None:
+    try:
+        return p.ppid()
+    except psutil.Error:
+        return None
 
 
 def _alive(p: psutil.Process) -> bool:
