@@ -12,10 +12,12 @@ times out) the haproxy processes are reparented to init and keep the port. That 
 we work around it here: the processes this command started (its descendants, watched while it
 runs) and every haproxy using one of their config files are terminated after Ray is down.
 
-Ray's processes share the command's process group, so `kill -TERM -<pgid>` reaches them directly:
-they stop at once (no drain), and the command's own process is aborted by Ray's core worker when
-its raylet goes, before any Python `finally` runs. So a reaper process in a session of its own
-holds what the tracker saw and, once the command is gone however it went, ends the leftovers."""
+Ray's processes share the command's process group, so `kill -TERM -<pgid>` reaches them too: the
+raylet and GCS server survive it, but the agents die and Ray stops answering calls (Ray 2.60), so
+the command sees one of Ray's system processes go and ends everything at once (no drain). Should
+the command itself be killed or aborted before its `finally` runs, a reaper process in a session
+of its own holds what the tracker saw and, once the command is gone however it went, ends the
+leftovers."""
 
 from __future__ import annotations
 
