@@ -44,7 +44,11 @@ _SOURCES = tuple(Path(__file__).with_name(name) for name in
                  ("paged_attention.c", "rms_norm.c", "rotary.c", "activation.c", "linear.c",
                   "llama_layers.c"))
 _HEADERS = tuple(Path(__file__).with_name(name) for name in ("dtype.h",))
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
+_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=gnu11", "-fPIC")
+# linked without -ffast-math: with it GCC adds crtfastmath.o, whose constructor turns on
+# flush-to-zero and denormals-are-zero for the whole process that loads the library (torch,
+# numpy and Python's own floats included), not just for these kernels
+_LINK_FLAGS = ("-shared", "-fopenmp")
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -76,15 +80,20 @@ def _build(compiler: str) -> Path:
     gomp = _torch_openmp()
     link = [f"-L{gomp.parent}", f"-Wl,-rpath,{gomp.parent}", "-l:libgomp.so.1"] if gomp else []
     sources = [path.read_bytes() for path in _SOURCES + _HEADERS]
-    key = hashlib.sha256(b"\0".join([*sources, " ".join(_FLAGS + tuple(link)).encode(),
-                                     _cpu_signature().encode(), compiler.encode()]))
+    flags = " ".join(_FLAGS + _LINK_FLAGS + tuple(link)).encode()
+    key = hashlib.sha256(b"\0".join([*sources, flags, _cpu_signature().encode(),
+                                     compiler.encode()]))
     out = _cache_dir() / key.hexdigest()[:16] / "libshardserve_kernels.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         staged = Path(tmp) / out.name
-        subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(staged), *link, "-lm"],
+        objects = [str(Path(tmp) / f"{source.stem}.o") for source in _SOURCES]
+        for source, obj in zip(_SOURCES, objects):
+            subprocess.run([compiler, *_FLAGS, "-c", str(source), "-o", obj],
+                           check=True, capture_output=True, text=True, timeout=120)
+        subprocess.run([compiler, *_LINK_FLAGS, *objects, "-o", str(staged), *link, "-lm"],
                        check=True, capture_output=True, text=True, timeout=120)
         os.replace(staged, out)
     return out

@@ -217,3 +217,16 @@ def test_only_bf16_weights_on_fast_cpus_are_packed() -> None:
     assert kernels.packs_linear(w) is _fast_linear()
     assert not kernels.packs_linear(w.float())  # float32: torch's MKL
     assert not kernels.packs_linear(w[0])
+
+
+def test_loading_the_kernels_leaves_subnormal_floats_alone() -> None:
+    """The library is built with -ffast-math; linked with it, GCC's crtfastmath.o would turn on
+    flush-to-zero for the whole process that loads it (torch's and Python's floats too)."""
+    import subprocess
+    import sys
+    code = ("import sys; from replicas import kernels; assert kernels.load() is not None; "
+            "import torch; tiny = sys.float_info.min / 4; "
+            "print(tiny > 0, float(torch.tensor(tiny, dtype=torch.float64) * 1.0) > 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, check=True)
+    assert out.stdout.split() == ["True", "True"], out.stdout + out.stderr
