@@ -41,6 +41,9 @@ class _Capped:
 
 
 def main(read_fd: int, write_fd: int, max_chars: int, max_memory_bytes: int) -> None:
+    # below the engine and the ingress in the CPU's queue: a runaway template, or a replacement
+    # worker importing transformers, takes only the CPU they leave
+    os.nice(10)
     from transformers.utils import chat_template_utils
 
     inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)

@@ -95,7 +95,9 @@ def test_a_runaway_template_stalls_nobody(base_url: str) -> None:
     gaps = [max_gap(c, started, ended) for c in chunks]
     print(f"template answered in {ended - started:.2f} s; streams' longest gap in that window "
           f"{max(gaps):.3f} s; /health worst {max(health_times):.3f} s")
-    assert max(gaps) < LIMIT_S / 4, gaps  # every stream went on meanwhile
+    # every stream went on meanwhile (a blocked ingress shows as a gap of the whole limit; the
+    # streams' own gaps are ~0.3 s on 2 cores, the killed worker's replacement adds a little)
+    assert max(gaps) < LIMIT_S / 2, gaps
     assert health_times and max(health_times) < 1.0, max(health_times)
     # the killed worker is replaced: templates render again
     deadline = time.monotonic() + 30
