@@ -161,6 +161,7 @@ def serve_main(args: argparse.Namespace) -> int:
     def _stop(*_: Any) -> None:
         nonlocal signals
         signals += 1
+
     def _catch_signals() -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _stop)
