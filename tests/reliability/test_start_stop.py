@@ -102,14 +102,14 @@ def test_20_start_stop_cycles_leave_nothing() -> None:
 def test_a_stop_drains_in_flight_and_refuses_new_requests() -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    # 4 x 1,500 tokens: seconds of work even for the tiny model
+    # 4 x 2,000 tokens: seconds of work even for the tiny model
     proc = _start(port, "--shutdown-grace-s", "60", "--max-model-len", "2048",
                   "--kv-cache-gib", "0.1")
     result: dict[str, object] = {}
 
     def stream() -> None:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "n": 4,
-                "max_tokens": 1500, "ignore_eos": True, "stream": True}
+                "max_tokens": 2000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as r:
             lines = [line for line in r.iter_lines() if line.startswith("data: ")]
         result["done"] = lines[-1] == "data: [DONE]"
@@ -118,11 +118,18 @@ def test_a_stop_drains_in_flight_and_refuses_new_requests() -> None:
     worker.start()
     time.sleep(0.5)
     proc.send_signal(signal.SIGTERM)
-    time.sleep(1.5)  # the ingress sees the draining flag within a status period
+    # the command first spends up to a second telling a signal to it from one to its whole
+    # group, then raises the flag; the ingress reads it within a status period. (A chat sent
+    # before that is admitted and waits for a slot the n=4 stream holds, so /health, which
+    # never queues, is what is polled.)
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{base}/health", timeout=10).status_code == 200:
+        assert time.monotonic() < deadline, "/health never said draining"
+        time.sleep(0.1)
+    assert worker.is_alive(), "the stream ended before the stop was seen: too little work"
     refused = _chat(base)
     assert refused.status_code == 503, refused.text
     assert "shutting down" in refused.json()["error"]["message"]
-    assert httpx.get(f"{base}/health", timeout=10).status_code == 503
     worker.join(timeout=120)
     assert result == {"done": True, "finished": 4}
     _stop_and_check(proc, port, "already")
