@@ -409,7 +409,7 @@ class Engine:
         if seq.finish_reason is None and seq.num_output_tokens >= p.min_tokens:
             if token in self.eos_ids and not p.ignore_eos:
                 seq.finish_reason = "stop"
-            elif token in p.stop_token_ids:
+            elif token in p.stop_token_set:
                 seq.finish_reason, seq.stop_reason = "stop", token
         if seq.finish_reason is None and (seq.num_output_tokens >= p.max_tokens
                                           or len(seq) >= self.config.max_model_len):

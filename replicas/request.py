@@ -6,6 +6,7 @@ mutable state for one choice of one request."""
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @functools.cached_property
+    def stop_token_set(self) -> frozenset[int]:
+        """stop_token_ids for the engine's per-token check (up to the cap's 1,024 ids)."""
+        return frozenset(self.stop_token_ids)
 
     @property
     def needs_penalties(self) -> bool:
