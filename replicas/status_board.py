@@ -8,8 +8,10 @@ ingress replica pulls the whole board on the same period into a local snapshot t
 read without awaiting anything.
 
 The board also carries the application's draining flag: `shardserve serve`, stopping, raises it,
-and every ingress then answers new generation requests and /health with 503 while what is in
-flight finishes.
+and every ingress then answers new generation requests with 503 (and /health says so) while what
+is in flight finishes. And each ingress's reads are its heartbeat: it reads with its id and the
+models it serves, so `/health`, an application of its own (serve_app/health.py), can tell from
+the board alone whether an ingress is running and every model it serves has a healthy replica.
 
 The board is owned by whichever process created it first; if that process goes away the board
 goes with it, and the next report or read creates it again (`get_if_exists`), so nothing outlives
@@ -32,14 +34,23 @@ REPORT_PERIOD_S = 0.5
 # a replica whose last report is older than this is taken as gone (its process died or its
 # event loop is wedged)
 STALE_AFTER_S = 5.0
+# an ingress that has not read the board for this long is wedged, not busy (its loop still
+# reads every ~5 s with 5,000 requests arriving at once on 2 cores)
+INGRESS_STALE_AFTER_S = 10.0
 NAMESPACE = "shardserve"
+
+# model -> replica -> (reported at, stats)
+Reports = dict[str, dict[str, tuple[float, dict[str, Any]]]]
+# ingress replica -> (last read at, the models it serves)
+Ingresses = dict[str, tuple[float, tuple[str, ...]]]
 
 
 @ray.remote(num_cpus=0, max_concurrency=1000)
 class StatusBoard:
     def __init__(self) -> None:
-        self.reports: dict[str, dict[str, tuple[float, dict[str, Any]]]] = {}
+        self.reports: Reports = {}
         self.draining = False
+        self.ingresses: Ingresses = {}
 
     async def set_draining(self, draining: bool) -> None:
         self.draining = draining
@@ -50,12 +61,18 @@ class StatusBoard:
     async def forget(self, model: str, replica: str) -> None:
         self.reports.get(model, {}).pop(replica, None)
 
-    async def read(self) -> tuple[dict[str, dict[str, tuple[float, dict[str, Any]]]], bool]:
+    async def read(self, ingress: str | None = None,
+                   models: tuple[str, ...] = ()) -> tuple[Reports, bool, Ingresses]:
+        """The board; an ingress passes its id and models (its heartbeat)."""
         now = time.time()
+        if ingress is not None:
+            self.ingresses[ingress] = (now, models)
         for replicas in self.reports.values():  # replicas gone for good stop being reported
             for replica in [r for r, (t, _) in replicas.items() if now - t > 10 * STALE_AFTER_S]:
                 del replicas[replica]
-        return self.reports, self.draining
+        for gone in [i for i, (t, _) in self.ingresses.items() if now - t > 10 * STALE_AFTER_S]:
+            del self.ingresses[gone]
+        return self.reports, self.draining, self.ingresses
 
 
 def board_name(app_name: str) -> str:
@@ -109,13 +126,17 @@ def unhealthy_reason(model: str, reports: list[dict[str, Any]]) -> str | None:
 
 
 class BoardReader:
-    """The ingress side: a background task keeps `snapshot` (model -> replica -> (reported at,
-    stats)) fresh; routes read it directly."""
+    """A reader's side (an ingress, the /health app): a background task keeps a copy of the
+    board fresh; routes read it without awaiting anything. An ingress gives its id and models,
+    so its reads are its heartbeat."""
 
-    def __init__(self, app_name: str) -> None:
+    def __init__(self, app_name: str, ingress: str | None = None,
+                 models: tuple[str, ...] = ()) -> None:
         self.app_name = app_name
-        self.snapshot: dict[str, dict[str, tuple[float, dict[str, Any]]]] = {}
+        self.ingress, self.models = ingress, models
+        self.snapshot: Reports = {}
         self.draining = False
+        self.ingresses: Ingresses = {}
         self.read_at = 0.0  # time.time() of the last successful read
         self._task: asyncio.Task | None = None
 
@@ -129,8 +150,8 @@ class BoardReader:
             try:
                 if board is None:
                     board = get_board(self.app_name)
-                self.snapshot, self.draining = await asyncio.wait_for(board.read.remote(),
-                                                                      timeout=STALE_AFTER_S)
+                self.snapshot, self.draining, self.ingresses = await asyncio.wait_for(
+                    board.read.remote(self.ingress, self.models), timeout=STALE_AFTER_S)
                 self.read_at = time.time()
             except asyncio.CancelledError:
                 raise
@@ -146,6 +167,24 @@ class BoardReader:
             return []
         return [stats for t, stats in self.snapshot.get(model, {}).values()
                 if now - t <= STALE_AFTER_S]
+
+    def why_unhealthy(self) -> str | None:
+        """Why /health answers 503 (None: 200): the server is stopping, no ingress has run
+        recently, or a model an ingress serves has no healthy replica."""
+        if self.draining:
+            return "the server is shutting down"
+        now = time.time()
+        if now - self.read_at > STALE_AFTER_S:
+            return f"the status board has not been read in the last {STALE_AFTER_S:g} s"
+        live = [models for t, models in self.ingresses.values()
+                if now - t <= INGRESS_STALE_AFTER_S]
+        if not live:
+            return f"no ingress has run in the last {INGRESS_STALE_AFTER_S:g} s"
+        for model in sorted({m for models in live for m in models}):
+            why = unhealthy_reason(model, self.fresh(model))
+            if why is not None:
+                return why
+        return None
 
     async def stop(self) -> None:
         if self._task is not None:

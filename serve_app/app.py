@@ -1,18 +1,21 @@
-"""build_app(config) -> serve.Application: one LLMReplica deployment per model, one ingress.
+"""build_app(config) -> serve.Application: one LLMReplica deployment per model, one ingress;
+`deploy` runs it and its /health application (serve_app/health.py) side by side.
 
-`app_builder` is the entry `serve run serve_config.yaml` / `serve deploy` use; the CLI
-(`shardserve serve`) builds the same application."""
+`app_builder` is the entry `serve run serve_config.yaml` / `serve deploy` use (the YAML lists the
+health application too); the CLI (`shardserve serve`) and the tests deploy with `deploy`."""
 
 from __future__ import annotations
 
 import re
 from typing import Any
 
+from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from replicas.deployment import LLMReplica
 from serve_app.config import AppConfig, ModelConfig
+from serve_app.health import HEALTH_ROUTE, build_health_app, health_app_name
 from serve_app.ingress import Ingress
 
 INGRESS_MAX_ONGOING = 100_000
@@ -68,6 +71,19 @@ def build_app(config: AppConfig) -> Application:
         # against a flood of connections
         max_ongoing_requests=INGRESS_MAX_ONGOING, **grace,
         ray_actor_options={"num_cpus": config.ingress_num_cpus}).bind(config, handles)
+
+
+def deploy(config: AppConfig, app_name: str = "shardserve") -> None:
+    """Runs the application and its /health application; returns once both are running."""
+    serve.run(build_app(config), name=app_name, route_prefix="/", blocking=False)
+    serve.run(build_health_app(app_name), name=health_app_name(app_name),
+              route_prefix=HEALTH_ROUTE, blocking=False)
+
+
+def undeploy(app_name: str = "shardserve") -> None:
+    """Deletes both from a cluster that serves other applications too."""
+    serve.delete(health_app_name(app_name))
+    serve.delete(app_name)
 
 
 def app_builder(args: dict[str, Any]) -> Application:

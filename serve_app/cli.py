@@ -139,7 +139,7 @@ def serve_main(args: argparse.Namespace) -> int:
     from ray import serve
 
     from serve_app import http_front, shutdown
-    from serve_app.app import build_app
+    from serve_app.app import deploy, undeploy
 
     config = config_from_args(args)
     if args.detach and not args.ray_address:
@@ -188,7 +188,7 @@ def serve_main(args: argparse.Namespace) -> int:
         _catch_signals()  # ray.init installs a SIGTERM handler of its own that exits at once
         serve.start(http_options={"host": config.host, "port": config.port})
         started = time.monotonic()
-        serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+        deploy(config, APP_NAME)
         names = ", ".join(m.name for m in config.models)
         if args.detach:
             # serve.run returned once the app was RUNNING; it is the cluster's now (`serve
@@ -221,7 +221,7 @@ def serve_main(args: argparse.Namespace) -> int:
             tracker.record()
         # the replicas have drained, so Serve's own grace has nothing left to wait for; on a
         # cluster we did not start, only our app goes (others may be served there too)
-        stop_serve = serve.shutdown if started_ray else (lambda: serve.delete(APP_NAME))
+        stop_serve = serve.shutdown if started_ray else (lambda: undeploy(APP_NAME))
         if not shutdown.run_with_timeout(stop_serve, 10.0 if signals < 2 else 1.0):
             print("shardserve: Serve did not shut down in time"
                   + ("; stopping Ray" if started_ray else ""), file=sys.stderr)

@@ -66,6 +66,19 @@ def _free_ports(n: int) -> list[str]:
     raise OSError(f"no free port for HAProxy in {_PORTS.start}-{_PORTS.stop - 1}")
 
 
+def _haproxy_maxconn() -> str:
+    """HAProxy's connection limit: Ray's default is 4,096, and a connection beyond it waits in
+    the kernel's accept queue, unanswered, however fast the app would refuse it; with 5,000
+    requests sent at once a load balancer's probe waited 20 s there. HAProxy refuses to start
+    unless it may open 2.5 descriptors per connection (client, backend, pipes), so the limit
+    follows the hard limit on descriptors (Ray's default where that is lower)."""
+    import resource
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard == resource.RLIM_INFINITY:
+        hard = 1 << 20
+    return str(max(4096, min(65536, int((hard - 512) / 2.5))))
+
+
 def front_env(front: HttpFront) -> dict[str, str]:
     """The environment that selects `front` in the processes of a Ray started after it is set.
     Settings already in the environment win."""
@@ -75,7 +88,8 @@ def front_env(front: HttpFront) -> dict[str, str]:
                     # HAProxy's stats page and Prometheus endpoint default to fixed ports (8404,
                     # 9101) on all interfaces: a second server on the machine could not start
                     "RAY_SERVE_HAPROXY_STATS_PORT": stats,
-                    "RAY_SERVE_HAPROXY_METRICS_PORT": metrics}
+                    "RAY_SERVE_HAPROXY_METRICS_PORT": metrics,
+                    "RAY_SERVE_HAPROXY_MAXCONN": _haproxy_maxconn()}
         return {"RAY_SERVE_ENABLE_HA_PROXY": "1",
                 **{k: os.environ.get(k, v) for k, v in tunables.items()}}
     return {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}

@@ -24,7 +24,7 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from replicas.request import GenerateRequest, TokenBatch
-from replicas.status_board import BoardReader, app_name_here, unhealthy_reason
+from replicas.status_board import BoardReader, app_name_here
 from serve_app import admission, chat, openapi, sampling, tool_choice
 from serve_app.admission import Admission, Ticket
 from serve_app.auth import APIKeys, client_id, read_key_file, require_api_key
@@ -86,6 +86,14 @@ def _json_depth(obj: Any, limit: int) -> bool:
         elif isinstance(node, list):
             stack.extend((v, depth + 1) for v in node)
     return True
+
+
+def _replica_id() -> str:
+    """This ingress replica's id on the status board (a fresh one outside Serve)."""
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # not inside a Serve replica (unit tests)
+        return uuid.uuid4().hex
 
 
 def _decode(body: bytes, model: type[T]) -> T:
@@ -174,8 +182,10 @@ class Ingress:
         self.metrics = Metrics()
         self.admission = Admission(config)
         self.pre = Preprocessor(config)
-        # the replicas' engine state, kept fresh off the request path (/health, /metrics)
-        self.board = BoardReader(app_name_here())
+        # the replicas' engine state, kept fresh off the request path (/metrics, admission);
+        # the reads are this ingress's heartbeat for /health (serve_app/health.py)
+        self.board = BoardReader(app_name_here(), ingress=_replica_id(),
+                                 models=tuple(self.registry.models))
         with contextlib.suppress(RuntimeError):  # no running loop outside Serve
             self.board.start()
         self.stream_handles = {name: h.options(stream=True) for name, h in handles.items()}
@@ -272,20 +282,6 @@ class Ingress:
         return f"{prefix}-{rid}" if rid else f"{prefix}-{uuid.uuid4().hex}"
 
     # ---- routes --------------------------------------------------------------------------------
-    @app.get("/health")
-    async def health(self) -> Response:
-        """200 when every model has a replica whose engine loop is alive and not wedged, as its
-        last report (at most a few seconds old) says; answered from the local snapshot, so it
-        never waits behind generation work."""
-        self.board.start()
-        if self.board.draining:  # load balancers: stop sending here
-            return APIError("the server is shutting down", 503).response()
-        for served in self.registry.models.values():
-            why = unhealthy_reason(served.name, self.board.fresh(served.name))
-            if why is not None:
-                return APIError(why, 503).response()
-        return Response(status_code=200)
-
     @app.get("/ping")
     async def ping(self) -> Response:
         return Response(status_code=200)

@@ -201,7 +201,7 @@ def drain(app_name: str, grace_s: float, interrupted: Callable[[], bool]) -> Non
     time.sleep(min(1.0, grace_s))
     while time.monotonic() < deadline and not interrupted():
         try:
-            reports, _ = _await(board.read.remote(), 5.0)
+            reports = _await(board.read.remote(), 5.0)[0]
         except Exception:
             return
         now = time.time()

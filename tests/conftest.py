@@ -39,7 +39,7 @@ def running_app(config_args: dict[str, Any], num_cpus: int = 4,
     from ray import serve
 
     from serve_app import http_front as fronts
-    from serve_app.app import build_app
+    from serve_app.app import deploy
     from serve_app.config import AppConfig
 
     port = free_port()
@@ -51,7 +51,7 @@ def running_app(config_args: dict[str, Any], num_cpus: int = 4,
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(config), name="shardserve", route_prefix="/")
+        deploy(config)
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:

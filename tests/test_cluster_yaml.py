@@ -92,7 +92,10 @@ def test_serve_config_passes_serves_deploy_schema(serve_config: dict[str, Any]) 
 
     schema = ServeDeploySchema.model_validate(serve_config)
     assert schema.http_options.host == "0.0.0.0"  # reachable from outside the head node
-    assert [a.import_path for a in schema.applications] == ["serve_app.app:app_builder"]
+    assert [(a.import_path, a.route_prefix) for a in schema.applications] == [
+        ("serve_app.app:app_builder", "/"), ("serve_app.health:health_builder", "/health")]
+    # the health application reads the status board of the application beside it
+    assert schema.applications[1].args["app_name"] == schema.applications[0].name
 
 
 def test_serve_config_import_path_builds_the_app(serve_config: dict[str, Any]) -> None:
@@ -101,11 +104,8 @@ def test_serve_config_import_path_builds_the_app(serve_config: dict[str, Any]) -
     from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
     from ray.serve.schema import ServeDeploySchema
 
-    from serve_app.app import app_builder
-
     for app in ServeDeploySchema.model_validate(serve_config).applications:
         # the path `serve run` / `serve deploy` take from import_path and args
         built = call_user_app_builder_with_args_if_necessary(import_attr(app.import_path),
                                                              app.args)
         assert isinstance(built, Application)
-        assert isinstance(app_builder(app.args), Application)

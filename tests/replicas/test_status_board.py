@@ -30,3 +30,25 @@ def test_reader_serves_only_fresh_reports() -> None:
     assert reader.fresh("m") == [{"n": 1}] and reader.fresh("other") == []
     reader.read_at = now - 2 * STALE_AFTER_S  # the ingress lost the board: nothing is fresh
     assert reader.fresh("m") == []
+
+
+def test_health_needs_a_running_ingress_and_a_healthy_replica_of_each_of_its_models() -> None:
+    from replicas.status_board import INGRESS_STALE_AFTER_S
+    reader = BoardReader("app")
+    now = time.time()
+    assert "not been read" in reader.why_unhealthy()
+    reader.read_at = now
+    assert "no ingress has run" in reader.why_unhealthy()  # before any ingress started
+    reader.ingresses = {"i1": (now, ("a", "b"))}
+    reader.snapshot = {"a": {"r": (now, OK)}}
+    assert "no replica of b" in reader.why_unhealthy()
+    reader.snapshot["b"] = {"r": (now, {**OK, "stalled": True})}
+    assert "wedged" in reader.why_unhealthy()
+    reader.snapshot["b"] = {"r": (now, OK)}
+    assert reader.why_unhealthy() is None
+    # an ingress whose loop stopped reading: its heartbeat goes stale
+    reader.ingresses = {"i1": (now - INGRESS_STALE_AFTER_S - 1, ("a", "b"))}
+    assert "no ingress has run" in reader.why_unhealthy()
+    reader.ingresses = {"i1": (now, ("a",))}
+    reader.draining = True
+    assert reader.why_unhealthy() == "the server is shutting down"

@@ -15,7 +15,7 @@ def cluster():
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    from serve_app.app import build_app
+    from serve_app.app import deploy
     from serve_app.config import AppConfig
 
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
@@ -27,8 +27,7 @@ def cluster():
              "placement_group_strategy": "PACK"}
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(AppConfig.model_validate({"port": port, "models": [model]})),
-                  name="shardserve", route_prefix="/")
+        deploy(AppConfig.model_validate({"port": port, "models": [model]}))
         yield f"http://127.0.0.1:{port}/v1", gpu_node.node_id
     finally:
         ray.shutdown()  # and the cluster with it: no graceful serve.shutdown() needed
