@@ -16,7 +16,7 @@ import os
 import sys
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -133,8 +133,10 @@ def _coalesce(items: list[TokenBatch]) -> tuple[TokenBatch, ...]:
 class LLMServer:
     """The replica's logic, usable without Serve (tests, `bench engine`)."""
 
-    def __init__(self, config: ReplicaConfig) -> None:
+    def __init__(self, config: ReplicaConfig, replica_id: str | None = None) -> None:
         self.config = config
+        # named on each request's first batch, so the ingress can address stop_choice here
+        self.replica_id = replica_id
         if config.gil_switch_interval_s:
             # the forward runs in a thread that takes the GIL back between torch ops; with
             # Python's default 5 ms switch interval, every time the event loop thread holds it
@@ -208,6 +210,7 @@ class LLMServer:
         outbox.min_tokens = self.config.stream_interval
         budget = self.stream_budget
         remaining = request.n
+        first = True
         try:
             while remaining:
                 items = await outbox.take()
@@ -215,6 +218,9 @@ class LLMServer:
                     if isinstance(item, BaseException):
                         raise item
                 batches = _coalesce(items)  # type: ignore[arg-type]
+                if first and batches and self.replica_id is not None:
+                    batches = (replace(batches[0], replica=self.replica_id), *batches[1:])
+                first = False
                 remaining -= sum(b.finish_reason is not None for b in batches)
                 if budget:
                     outbox.hold_until = time.monotonic() + self.engine.num_running / budget
@@ -241,11 +247,16 @@ class LLMServer:
 @serve.deployment(max_ongoing_requests=256, health_check_period_s=10, health_check_timeout_s=60)
 class LLMReplica:
     def __init__(self, config: ReplicaConfig, model_name: str) -> None:
-        self.server = LLMServer(config)
-        # the engine's state, for /health and /metrics, on a path of its own (no request slot)
         ctx = serve.get_replica_context()
-        self._reporter = asyncio.get_running_loop().create_task(status_board.publish_forever(
-            ctx.app_name, model_name, ctx.replica_id.unique_id, self.server.stats))
+        replica = ctx.replica_id.unique_id
+        self.server = LLMServer(config, replica)
+        loop = asyncio.get_running_loop()
+        # the engine's state, for /health and /metrics, on a path of its own (no request slot);
+        # and the ingresses' stop_choice messages on the same board
+        self._reporter = loop.create_task(status_board.publish_forever(
+            ctx.app_name, model_name, replica, self.server.stats))
+        self._stops = loop.create_task(status_board.take_stops_forever(
+            ctx.app_name, replica, self.server.engine.stop_choice))
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[tuple[TokenBatch, ...]]:
         async with contextlib.aclosing(self.server.generate(request)) as stream:

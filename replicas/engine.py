@@ -8,6 +8,7 @@ request's outbox as a `TokenBatch`. Knows nothing of text: token ids in, token i
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import itertools
 import json
@@ -30,6 +31,8 @@ from replicas.sampler import SamplerOutput, compute_logprobs, sample
 from replicas.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
+
+FINISHED_LENGTHS_KEPT = 4096  # choices whose output length a late stop_choice may need
 
 
 def compute_thread() -> concurrent.futures.ThreadPoolExecutor:
@@ -95,6 +98,12 @@ class Engine:
         self._requests: dict[str, list[Sequence]] = {}
         self._outboxes: dict[str, Outbox] = {}
         self._aborted: set[str] = set()
+        # (request id, choice, output tokens kept): choices the ingress ended at a stop string
+        self._stops: list[tuple[str, int, int]] = []
+        # (request id, choice) -> output tokens, of choices finished lately: a stop string found
+        # in a choice's last batch arrives after the engine is done with it
+        self._finished_lengths: collections.OrderedDict[tuple[str, int], int] = (
+            collections.OrderedDict())
         # request id -> time.monotonic() by which it must be scheduled (only until it is)
         self._deadlines: dict[str, float] = {}
         self._step_started: float | None = None  # time.monotonic() of the step in flight
@@ -136,7 +145,9 @@ class Engine:
                            priority=request.priority, arrival=now, cache_salt=request.cache_salt)
             if request.params.seed is not None:
                 seq.generator = torch.Generator().manual_seed(request.params.seed + i)
-            if request.params.prompt_logprobs is not None:
+            if request.params.prompt_logprobs is not None and i == 0:
+                # the choices share the prompt: its logprobs are computed once, on choice 0
+                # (the others may then take its KV from the prefix cache)
                 seq.prompt_logprobs = [None]
             seq.logits_processors = self._build_processors(request)
             if compiled is not None:
@@ -172,6 +183,31 @@ class Engine:
         if request_id in self._requests:
             self._aborted.add(request_id)
             self._wakeup.set()
+
+    def stop_choice(self, request_id: str, choice_index: int, num_output_tokens: int) -> None:
+        """The ingress cut a choice's output at a stop string after `num_output_tokens`: the
+        choice ends (its row and blocks are freed before the next step; its request's other
+        choices go on), and the tokens it generated past that leave the counters, which so count
+        only what clients got."""
+        self._stops.append((request_id, choice_index, num_output_tokens))
+        self._wakeup.set()
+
+    def _apply_stops(self) -> None:
+        for request_id, choice, kept in self._stops:
+            seq = next((s for s in self._requests.get(request_id, ())
+                        if s.choice_index == choice), None)
+            if seq is None:
+                generated = self._finished_lengths.pop((request_id, choice), kept)
+            else:
+                generated = seq.num_output_tokens
+                if not seq.is_finished:
+                    seq.finish_reason = "stop"
+                    seq.status = SequenceStatus.FINISHED
+                    self.scheduler.remove(seq)
+                    self._emit(seq, (), None)  # ends the choice on the replica's stream
+                self._finished_lengths.pop((request_id, choice), None)
+            self.stats.generation_tokens -= max(0, generated - kept)
+        self._stops.clear()
 
     @property
     def num_running(self) -> int:
@@ -230,6 +266,7 @@ class Engine:
 
     async def _run(self) -> None:
         while True:
+            self._apply_stops()
             self._reap_aborted()
             self._expire_waiting()
             if not self.scheduler.has_work():
@@ -356,14 +393,27 @@ class Engine:
                 self._prompt_logprobs(seq, before, all_logits)
         if result is None:
             return
-        for seq, token, lp in zip(sampling, result.token_ids, result.logprobs):
+        for row, (seq, token, lp) in enumerate(zip(sampling, result.token_ids, result.logprobs)):
             if seq.request_id in self._aborted or seq.is_finished:
                 continue
-            self.stats.generation_tokens += 1
+            if row in result.masked_out:
+                self._end_masked_out(seq)
+                continue
             seq.token_ids.append(token)
             forced = self._advance_guide(seq, token) if seq.guide is not None else []
+            self.stats.generation_tokens += 1 + len(forced)  # every output token, as usage
             self._check_stop(seq, token)
             self._emit(seq, (token, *forced), lp)
+
+    def _end_masked_out(self, seq: Sequence) -> None:
+        """Every token was masked for this row (say, a constraint whose next tokens the
+        request's allowed_token_ids or bad_words forbid): the output ends, saying why."""
+        seq.finish_reason = "abort"
+        seq.stop_reason = ("no token is allowed here: the output constraint, allowed_token_ids, "
+                           "bad_words, logit_bias and logits processors together mask them all")
+        seq.status = SequenceStatus.FINISHED
+        self.scheduler.remove(seq)
+        self._emit(seq, (), None)
 
     def _advance_guide(self, seq: Sequence, token: int) -> list[int]:
         """Moves the constraint past `token`; returns the tokens it then forces (jump-forward),
@@ -383,7 +433,8 @@ class Engine:
             return []
         forced: list[int] = []
         room = seq.params.max_tokens - seq.num_output_tokens
-        if seq.params.logprobs is None and room > 0 and not guide.can_only_finish():
+        if (seq.params.logprobs is None and room > 0 and not seq.params.masks_tokens
+                and not seq.logits_processors and not guide.can_only_finish()):
             forced = guide.forced_tokens(room)
             if forced:
                 guide.advance_many(forced)
@@ -394,14 +445,19 @@ class Engine:
         return forced
 
     def _prompt_logprobs(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
-        # logits at position p score the token at p + 1; the first prompt token has none
+        # logits at position p score the token at p + 1; the first prompt token has none.
+        # A preempted sequence computes its prompt again: positions it has entries for already
+        # are skipped, so each prompt token gets exactly one
+        done = len(seq.prompt_logprobs) - 1  # type: ignore[arg-type]
+        first = max(start, done)
         end = min(start + logits.shape[0], seq.num_prompt_tokens - 1)
-        if end <= start:
+        if end <= first:
             return
-        targets = torch.tensor(seq.token_ids[start + 1:end + 1])
+        targets = torch.tensor(seq.token_ids[first + 1:end + 1])
         k = seq.params.prompt_logprobs or 0
+        rows = logits[first - start: end - start]
         seq.prompt_logprobs.extend(  # type: ignore[union-attr]
-            compute_logprobs(logits[: end - start].log_softmax(-1), targets, [k] * len(targets)))
+            compute_logprobs(rows.log_softmax(-1), targets, [k] * len(targets)))
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params
@@ -429,6 +485,9 @@ class Engine:
             tuple(seq.prompt_logprobs) if first and seq.prompt_logprobs is not None else None),
             urgent=first or seq.is_finished)
         if seq.is_finished:
+            self._finished_lengths[(seq.request_id, seq.choice_index)] = seq.num_output_tokens
+            if len(self._finished_lengths) > FINISHED_LENGTHS_KEPT:
+                self._finished_lengths.popitem(last=False)
             seqs = self._requests.get(seq.request_id, [])
             if all(s.is_finished for s in seqs):
                 self._requests.pop(seq.request_id, None)

@@ -45,6 +45,15 @@ class SamplingParams:
         return frozenset(self.stop_token_ids)
 
     @property
+    def masks_tokens(self) -> bool:
+        """Whether the request's own lists may forbid tokens or end on them: such a row gets no
+        jump-forward (the tokens a constraint forces are sampled one by one, through those
+        lists and the stop checks, so a forbidden one ends the output instead of slipping
+        through, and a stop token stops it)."""
+        return bool(self.allowed_token_ids is not None or self.logit_bias
+                    or self.bad_words_token_ids or self.stop_token_ids or self.min_tokens)
+
+    @property
     def needs_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
@@ -84,10 +93,12 @@ class TokenBatch:
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
-    stop_reason: int | None = None  # the stop token id that ended it, if any
+    # the stop token id that ended it, or with finish_reason "abort" why the engine ended it
+    stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    replica: str | None = None  # on a request's first batch: the replica running it
 
 
 class EngineError(Exception):
@@ -131,7 +142,7 @@ class Sequence:
     num_cached_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    stop_reason: int | None = None
+    stop_reason: int | str | None = None
     generator: Any = None  # torch.Generator for seeded sampling
     guide: Any = None  # structured.guide.Guide when constrained
     guide_active: bool = True  # False while a reasoning block precedes the constraint

@@ -30,6 +30,9 @@ _NEG_INF = float("-inf")
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
+    # rows whose every token the constraint, the request's lists or its logits processors
+    # masked: nothing can be sampled there (their token_ids entry means nothing)
+    masked_out: frozenset[int] = frozenset()
 
 
 def _token_counts(rows: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -216,6 +219,13 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int],
     for i, s in enumerate(seqs):
         for processor in s.logits_processors:
             logits[i] = processor(s.output_token_ids, logits[i])
+    masked_out: frozenset[int] = frozenset()
+    if bitmask_fn is not None or any(s.sampling_tables is not None and not s.sampling_tables.empty
+                                     or s.logits_processors for s in seqs):
+        # a row with nothing left would sample NaNs (argmax: token 0): it is reported instead
+        dead = torch.isneginf(logits).all(-1)
+        if bool(dead.any()):
+            masked_out = frozenset(dead.nonzero().flatten().tolist())
     if any(s.params.needs_penalties for s in seqs):
         apply_penalties(logits, seqs)
 
@@ -245,4 +255,4 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int],
                                     [seqs[i].params.logprobs or 0 for i in rows])
         for i, lp in zip(rows, computed):
             logprobs[i] = lp
-    return SamplerOutput(tokens.tolist(), logprobs)
+    return SamplerOutput(tokens.tolist(), logprobs, masked_out)

@@ -12,6 +12,8 @@ and every ingress then answers new generation requests with 503 (and /health say
 is in flight finishes. And each ingress's reads are its heartbeat: it reads with its id and the
 models it serves, so `/health`, an application of its own (serve_app/health.py), can tell from
 the board alone whether an ingress is running and every model it serves has a healthy replica.
+And it carries the one message an ingress sends a replica mid-request: a choice ended at a stop
+string after so many tokens (`stop_choice`), which the replica long-polls for (`take_stops`).
 
 The board is owned by whichever process created it first; if that process goes away the board
 goes with it, and the next report or read creates it again (`get_if_exists`), so nothing outlives
@@ -51,6 +53,28 @@ class StatusBoard:
         self.reports: Reports = {}
         self.draining = False
         self.ingresses: Ingresses = {}
+        # replica -> (choices the ingress ended at a stop string, when the replica last asked)
+        self.stops: dict[str, tuple[asyncio.Queue, float]] = {}
+
+    def _mailbox(self, replica: str) -> asyncio.Queue:
+        box = self.stops.get(replica, (asyncio.Queue(), 0.0))[0]
+        self.stops[replica] = (box, time.time())
+        return box
+
+    async def stop_choice(self, replica: str, request_id: str, choice: int, kept: int) -> None:
+        """From an ingress: end a choice at `kept` output tokens (Engine.stop_choice)."""
+        self._mailbox(replica).put_nowait((request_id, choice, kept))
+
+    async def take_stops(self, replica: str) -> list[tuple[str, int, int]]:
+        """A replica's long poll for its stop_choice messages (empty after a quiet while)."""
+        box = self._mailbox(replica)
+        try:
+            out = [await asyncio.wait_for(box.get(), timeout=STALE_AFTER_S)]
+        except TimeoutError:
+            return []
+        while not box.empty():
+            out.append(box.get_nowait())
+        return out
 
     async def set_draining(self, draining: bool) -> None:
         self.draining = draining
@@ -72,6 +96,8 @@ class StatusBoard:
                 del replicas[replica]
         for gone in [i for i, (t, _) in self.ingresses.items() if now - t > 10 * STALE_AFTER_S]:
             del self.ingresses[gone]
+        for gone in [r for r, (_, t) in self.stops.items() if now - t > 10 * STALE_AFTER_S]:
+            del self.stops[gone]
         return self.reports, self.draining, self.ingresses
 
 
@@ -111,6 +137,24 @@ async def publish_forever(app_name: str, model: str, replica: str,
         await asyncio.sleep(REPORT_PERIOD_S)
 
 
+async def take_stops_forever(app_name: str, replica: str,
+                             apply: Callable[[str, int, int], None]) -> None:
+    """A replica's task: applies the stop_choice messages ingresses send it until cancelled."""
+    board = None
+    while True:
+        try:
+            if board is None:
+                board = get_board(app_name)
+            for request_id, choice, kept in await board.take_stops.remote(replica):
+                apply(request_id, choice, kept)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the board went with its owner, or Ray is shutting down
+            logger.debug("stop messages failed: %s", exc)
+            board = None
+            await asyncio.sleep(REPORT_PERIOD_S)
+
+
 def unhealthy_reason(model: str, reports: list[dict[str, Any]]) -> str | None:
     """Why a model cannot serve, from its replicas' recent reports; None when one of them can
     (its engine loop alive, not failed, no step wedged)."""
@@ -138,6 +182,7 @@ class BoardReader:
         self.draining = False
         self.ingresses: Ingresses = {}
         self.read_at = 0.0  # time.time() of the last successful read
+        self.board: Any = None  # the board's actor handle, once found
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -149,7 +194,7 @@ class BoardReader:
         while True:
             try:
                 if board is None:
-                    board = get_board(self.app_name)
+                    board = self.board = get_board(self.app_name)
                 self.snapshot, self.draining, self.ingresses = await asyncio.wait_for(
                     board.read.remote(self.ingress, self.models), timeout=STALE_AFTER_S)
                 self.read_at = time.time()
@@ -157,8 +202,16 @@ class BoardReader:
                 raise
             except Exception as exc:
                 logger.debug("status board read failed: %s", exc)
-                board = None
+                board = self.board = None
             await asyncio.sleep(REPORT_PERIOD_S)
+
+    def stop_choice(self, replica: str, request_id: str, choice: int, kept: int) -> bool:
+        """Tells `replica` (through the board) that a choice ended at a stop string after `kept`
+        output tokens; False when the board is not reachable now."""
+        if self.board is None:
+            return False
+        self.board.stop_choice.remote(replica, request_id, choice, kept)
+        return True
 
     def fresh(self, model: str) -> list[dict[str, Any]]:
         """The stats of the model's replicas that reported recently."""

@@ -3,7 +3,10 @@
 UTF-8 safety comes from `tokenizers`' DecodeStream (it holds a token back while it ends inside a
 multi-byte character). Stop strings can span token boundaries, so text that could still be the
 start of a stop string is held back until the next tokens decide it; once a stop string appears,
-output is cut before it (or after it, with include_stop_str_in_output) and generation should end.
+output is cut before it (or after it, with include_stop_str_in_output), and the output's tokens
+end at the one that completed it, however many more the engine had sent with it (`used`).
+Tokens are checked one by one for that. As vLLM, stop strings count only from the `min_tokens`-th
+output token on.
 
 When generation ends inside a multi-byte character, `flush` releases those bytes as U+FFFD, as a
 whole-sequence decode would. With `skip_special_tokens` off, `spaces_between_special_tokens`
@@ -32,13 +35,16 @@ def _proper_prefixes(stop: tuple[str, ...]) -> tuple[frozenset[str], int]:
 class DetokenizedDelta:
     text: str
     stop: str | None = None  # the stop string that ended the output, if any
+    # how many of the tokens given belong to the output: with a stop string, those up to the
+    # one that completed it (vLLM's rule: include_stop_str_in_output decides only the text)
+    used: int = 0
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
                  stop: list[str] | None = None, include_stop_str_in_output: bool = False,
                  prompt_tail: list[int] | None = None,
-                 spaces_between_special_tokens: bool = True) -> None:
+                 spaces_between_special_tokens: bool = True, min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
@@ -58,6 +64,9 @@ class IncrementalDetokenizer:
         self.stop = [s for s in (stop or []) if s]
         self._prefixes = _proper_prefixes(tuple(self.stop))
         self.include_stop = include_stop_str_in_output
+        # as vLLM, stop strings are looked for only from the min_tokens-th output token on
+        self.min_tokens = min_tokens
+        self.num_tokens = 0
         self.held = ""
         self.stopped: str | None = None
         self.text = ""  # everything emitted so far
@@ -112,12 +121,31 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: list[int] | tuple[int, ...]) -> DetokenizedDelta:
         if self.stopped is not None:
-            return DetokenizedDelta("", self.stopped)
-        buf = self.held + "".join(self._step(t) for t in token_ids)
+            return DetokenizedDelta("", self.stopped, 0)
         if not self.stop:
+            self.num_tokens += len(token_ids)
+            buf = self.held + "".join(self._step(t) for t in token_ids)
             self.held = ""
             self.text += buf
-            return DetokenizedDelta(buf)
+            return DetokenizedDelta(buf, used=len(token_ids))
+        # token by token: the tokens after the one that completes a stop string are not output
+        out = []
+        for used, token in enumerate(token_ids, start=1):
+            self.num_tokens += 1
+            piece, stop = self._add_checked(self._step(token))
+            out.append(piece)
+            if stop is not None:
+                return DetokenizedDelta("".join(out), stop, used)
+        return DetokenizedDelta("".join(out), used=len(token_ids))
+
+    def _add_checked(self, piece: str) -> tuple[str, str | None]:
+        """One token's text against the stop strings: what may be emitted now, and the stop
+        string it completed, if any."""
+        buf = self.held + piece
+        if self.num_tokens < self.min_tokens:
+            self.held = ""
+            self.text += buf
+            return buf, None
         # a stop string may start in text already held back, so search the whole buffer
         best: tuple[int, str] | None = None
         for s in self.stop:
@@ -129,12 +157,12 @@ class IncrementalDetokenizer:
             out = buf[: i + len(s)] if self.include_stop else buf[:i]
             self.held, self.stopped = "", s
             self.text += out
-            return DetokenizedDelta(out, s)
+            return out, s
         keep = self._partial_stop_len(buf)
         out = buf[: len(buf) - keep]
         self.held = buf[len(buf) - keep:]
         self.text += out
-        return DetokenizedDelta(out)
+        return out, None
 
     def flush(self) -> str:
         """Once generation has ended: releases text held back for a possible stop string and

@@ -3,8 +3,9 @@ of each request to its model's replica through a streaming DeploymentHandle call
 
 One handle call per request (all n choices ride it). The first TokenBatch is awaited before the
 HTTP status is sent, so engine-side rejections are still proper 4xx responses; after that, errors
-travel in the SSE stream. Leaving the stream (client gone, stop string, timeout) cancels the call,
-and the replica aborts the request and frees its blocks."""
+travel in the SSE stream. Leaving the stream (client gone, timeout) cancels the call, and the
+replica aborts the request and frees its blocks; a choice ended at a stop string is ended on the
+replica by a message naming its last token (`Generation`)."""
 
 
 import asyncio
@@ -35,11 +36,12 @@ from serve_app.models import ModelRegistry, ServedModel, load_model
 from serve_app.preprocess import Preprocessor
 from serve_app.protocol import (ChatChoice, ChatCompletion, ChatCompletionChunk,
                                 ChatCompletionRequest, ChoiceLogprobs, ChunkChoice, Completion,
-                                CompletionChoice, CompletionLogprobs, CompletionRequest, Delta,
+                                CompletionChoice, CompletionRequest, Delta,
                                 DeltaToolCall, DeltaToolCallFunction, DetokenizeRequest,
                                 ModelCard, ModelList, PromptTokensDetails, ResponseFunctionCall,
                                 ResponseMessage, ResponseToolCall, TokenizeRequest, Usage)
-from serve_app.stream import DONE, ChoiceDelta, ChoiceState, TokenText, prompt_logprobs_json, sse
+from serve_app.stream import (DONE, ChoiceDelta, ChoiceState, TokenText, completion_logprobs,
+                              prompt_logprobs_json, sse)
 from serve_app.tool_parser import OutputParser
 from structured.errors import ConstraintError
 from structured.schema_check import check_constraint
@@ -52,6 +54,9 @@ MAX_JSON_DEPTH = 64
 # how much longer the ingress waits for a first output (a prefill that started just in time)
 # before it gives up on a call that never reached an engine
 FIRST_OUTPUT_GRACE_S = 1.0
+# how long a call whose choices were stopped through the status board may take to end by itself
+STOP_DRAIN_S = 2.0
+_DRAINS: set[asyncio.Task] = set()  # those calls' readers (a task needs a reference kept)
 T = TypeVar("T", bound=BaseModel)
 
 app = FastAPI(title="shardserve", version=VERSION, dependencies=[Depends(require_api_key)])
@@ -115,11 +120,21 @@ def _decode(body: bytes, model: type[T]) -> T:
 
 
 class Generation:
-    """One in-flight handle call: the first batch already received, the rest to iterate."""
+    """One in-flight handle call: the first batch already received, the rest to iterate.
 
-    def __init__(self, call: Any, first: tuple[TokenBatch, ...]) -> None:
+    A choice this side ends at a stop string is ended on its replica too (`stop_choice` through
+    the status board, which names the tokens the client got), rather than by cancelling the
+    call: the replica then frees that choice's row while the others go on, and takes the tokens
+    it generated past the stop back out of its counters. The call then ends by itself; it is
+    cancelled only if it does not within STOP_DRAIN_S, or the board is unreachable."""
+
+    def __init__(self, call: Any, first: tuple[TokenBatch, ...], request_id: str,
+                 board: BoardReader) -> None:
         self.call = call
         self.first: tuple[TokenBatch, ...] | None = first
+        self.request_id = request_id
+        self.board = board
+        self.replica = first[0].replica if first else None
 
     async def __aiter__(self) -> AsyncIterator[tuple[TokenBatch, ...]]:
         if self.first is not None:
@@ -140,6 +155,7 @@ class Generation:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         batches_in = aiter(self)
+        ended = drain = False
         try:
             while True:
                 # the limit covers only the wait for the next batch: a timeout around the
@@ -148,13 +164,19 @@ class Generation:
                     async with asyncio.timeout_at(deadline):
                         batches = await anext(batches_in)
                 except StopAsyncIteration:
+                    ended = True
                     break
                 for b in batches:
                     st = states[b.choice_index]
                     delta = st.on_batch(b)
+                    if st.stopped_at is not None and not st.stop_sent:
+                        st.stop_sent = self._stop_choice(st.index, st.stopped_at)
                     if delta is not None:
                         yield st, delta
                 if all(s.done for s in states):
+                    # stopped choices the replica was told of end its stream by themselves
+                    stopped = [s for s in states if s.stopped_at is not None]
+                    drain = bool(stopped) and all(s.stop_sent for s in stopped)
                     break
         except TimeoutError:
             raise APIError(f"the request took longer than its {timeout:g} s timeout", 408,
@@ -164,7 +186,31 @@ class Generation:
         except Exception as exc:
             raise APIError.from_exception(exc) from None
         finally:
+            if drain:
+                # off the response: the client has its answer already
+                task = loop.create_task(self._drain(batches_in))
+                _DRAINS.add(task)
+                task.add_done_callback(_DRAINS.discard)
+            elif not ended:
+                self.cancel()
+                with contextlib.suppress(Exception):
+                    await batches_in.aclose()
+
+    def _stop_choice(self, choice: int, kept: int) -> bool:
+        if self.replica is None:
+            return False
+        return self.board.stop_choice(self.replica, self.request_id, choice, kept)
+
+    async def _drain(self, batches_in: AsyncIterator[tuple[TokenBatch, ...]]) -> None:
+        """Reads the call to its end (the replica finishing the stopped choices), or cancels it
+        after STOP_DRAIN_S."""
+        try:
+            async with asyncio.timeout(STOP_DRAIN_S):
+                async for _ in batches_in:
+                    pass
+        except Exception:  # noqa: BLE001 (a timeout or a failure: either way, cancel)
             self.cancel()
+        finally:
             with contextlib.suppress(Exception):
                 await batches_in.aclose()
 
@@ -246,7 +292,7 @@ class Ingress:
                 with contextlib.suppress(Exception):  # cancel re-raises a failed assignment
                     call.cancel()
             raise self._rejection(served, exc) from None
-        return Generation(call, first)
+        return Generation(call, first, gen.request_id, self.board)
 
     def _rejection(self, served: ServedModel, exc: BaseException) -> APIError:
         """Maps a failed start to its error, counting the ingress's overload refusals."""
@@ -280,6 +326,12 @@ class Ingress:
     def _request_id(self, prefix: str, body: Any, request: Request) -> str:
         rid = body.request_id or request.headers.get("x-request-id")
         return f"{prefix}-{rid}" if rid else f"{prefix}-{uuid.uuid4().hex}"
+
+    @staticmethod
+    def _engine_key(rid: str) -> str:
+        """The engine's key for a request: the client's id (as echoed) made unique, so a client
+        that retries with the same X-Request-Id while the first try still runs is served."""
+        return f"{rid}@{uuid.uuid4().hex[:12]}"
 
     # ---- routes --------------------------------------------------------------------------------
     @app.get("/ping")
@@ -413,7 +465,7 @@ class Ingress:
         constraint_after = None
         if constraint is not None and in_think:
             constraint_after = served.tokenizer.convert_tokens_to_ids("</think>")
-        gen = GenerateRequest(rid, tuple(ids), params, constraint, n_gen, body.priority,
+        gen = GenerateRequest(self._engine_key(rid), tuple(ids), params, constraint, n_gen, body.priority,
                               body.cache_salt, constraint_after, ticket.deadline,
                               client_id(request))
         started = time.monotonic()
@@ -426,7 +478,8 @@ class Ingress:
             if forced_tool is not None:
                 return tool_choice.ToolJSONParser(forced_tool[1])
             return OutputParser(reasoning, body.include_reasoning, parse_tools,
-                                start_in_reasoning=in_think)
+                                start_in_reasoning=in_think,
+                                parallel_tool_calls=body.parallel_tool_calls)
         states = [ChoiceState(i, served.tokenizer, served.fast, options, parser(), token_text)
                   for i in range(n_gen)]
         echo = ""
@@ -460,7 +513,8 @@ class Ingress:
                 finish_reason=st.finish_reason, stop_reason=st.stop_reason,
                 token_ids=st.token_ids if options.return_token_ids else None))
         response = ChatCompletion(
-            id=rid, model=served.name, choices=choices, usage=self._usage(states, ids),
+            # as vLLM, with best_of only the choices returned count
+            id=rid, model=served.name, choices=choices, usage=self._usage(chosen, ids),
             prompt_token_ids=ids if options.return_token_ids else None,
             prompt_logprobs=prompt_logprobs_json(states[0].prompt_logprobs, ids, token_text))
         return JSONResponse(response.model_dump(exclude_none=False), headers=headers)
@@ -498,20 +552,24 @@ class Ingress:
         created = int(time.time())
         sent_role = [False] * len(states)
 
-        def chunk(choice: ChunkChoice, usage: Usage | None = None) -> str:
+        def chunk(choice: ChunkChoice, usage: Usage | None = None,
+                  prompt_token_ids: list[int] | None = None) -> str:
             return sse(ChatCompletionChunk(id=rid, created=created, model=served.name,
-                                           choices=[choice], usage=usage))
+                                           choices=[choice], usage=usage,
+                                           prompt_token_ids=prompt_token_ids))
         try:
             async with contextlib.aclosing(generation.deltas(states, timeout)) as deltas:
                 async for st, delta in deltas:
                     if not sent_role[st.index]:
                         sent_role[st.index] = True
                         self.metrics.observe_first_token(served.name, started)
+                        # as vLLM, each choice's first chunk carries the prompt's token ids
                         yield chunk(ChunkChoice(index=st.index, delta=Delta(
                             role="assistant", content=echo)),
                             Usage(prompt_tokens=len(ids), completion_tokens=0,
                                   total_tokens=len(ids))
-                            if options.continuous_usage_stats else None)
+                            if options.continuous_usage_stats else None,
+                            ids if options.return_token_ids else None)
                     if not (delta.content or delta.reasoning or delta.tool_calls
                             or delta.finish_reason or delta.logprobs or options.return_token_ids):
                         continue  # held text (a partial character or stop string)
@@ -565,43 +623,65 @@ class Ingress:
         rid = self._request_id("cmpl", body, request)
         headers = self._id_header(body, request)
         timeout = body.inference_timeout or self.config.request_timeout_s
-        choices: list[CompletionChoice] = []
-        usage = Usage()
         started = time.monotonic()
         built = []
         for ids in prompts:  # validate every prompt before starting any
             built.append(await self.pre.run(sampling.build, body, prompt_len=len(ids),
                                             limits=limits, tokenizer=served.tokenizer, chat=False))
-        for p_index, (ids, (params, options)) in enumerate(zip(prompts, built)):
-            n_gen = options.best_of or body.n
-            gen = GenerateRequest(f"{rid}-{p_index}", tuple(ids), params, constraint, n_gen,
-                                  body.priority, body.cache_salt,
-                                  # each prompt is its own engine request, started in turn
-                                  deadline=ticket.deadline if p_index == 0
-                                  else time.time() + self.config.max_queue_wait_s,
-                                  client=client_id(request))
-            generation = await self._start(served, gen)
-            token_text = TokenText(served.tokenizer, options.return_tokens_as_token_ids)
+        # every prompt is an engine request of its own, all started at once (as vLLM); one that
+        # cannot start fails the whole request
+        starts = await asyncio.gather(*(self._start(served, GenerateRequest(
+            self._engine_key(f"{rid}-{p_index}"), tuple(ids), params, constraint,
+            options.best_of or body.n, body.priority, body.cache_salt,
+            deadline=ticket.deadline, client=client_id(request)))
+            for p_index, (ids, (params, options)) in enumerate(zip(prompts, built))),
+            return_exceptions=True)
+        failed = next((g for g in starts if isinstance(g, BaseException)), None)
+        if failed is not None:
+            for g in starts:
+                if isinstance(g, Generation):
+                    g.cancel()
+            raise failed
+        options = built[0][1]
+        token_text = TokenText(served.tokenizer, options.return_tokens_as_token_ids)
+        runs = []
+        for ids, (_, options), generation in zip(prompts, built, starts):
             states = [ChoiceState(i, served.tokenizer, served.fast, options,
                                   OutputParser(False, False, False), token_text)
-                      for i in range(n_gen)]
-            echo = served.tokenizer.decode(ids) if options.echo else ""
-            if options.stream:
-                return StreamingResponse(
-                    self._completion_stream(served, generation, states, rid, options, ids, echo,
-                                            timeout),
-                    media_type="text/event-stream", headers=headers)
-            await self._drain(served, generation, states, timeout, started)
+                      for i in range(options.best_of or body.n)]
+            runs.append((ids, options, generation, states,
+                         served.tokenizer.decode(ids) if options.echo else ""))
+        if options.stream:
+            ids, options, generation, states, echo = runs[0]
+            return StreamingResponse(
+                self._completion_stream(served, generation, states, rid, options, ids, echo,
+                                        timeout, started, token_text),
+                media_type="text/event-stream", headers=headers)
+        try:
+            async with asyncio.TaskGroup() as group:
+                for _, _, generation, states, _ in runs:
+                    group.create_task(self._drain(served, generation, states, timeout, started))
+        except BaseExceptionGroup as errors:  # the first failure; the others were cancelled
+            raise errors.exceptions[0] from None
+        choices: list[CompletionChoice] = []
+        usage = Usage()
+        for ids, options, _, states, echo in runs:
             self.metrics.observe_request(served.name, started, states, len(ids))
-            for st in self._best(states, body.n, options):
+            chosen = self._best(states, body.n, options)
+            prompt_entries = states[0].prompt_logprobs  # computed once, on choice 0
+            for st in chosen:
+                echoed = ((ids, prompt_entries, token_text, options.top_logprobs)
+                          if options.echo else None)
                 choices.append(CompletionChoice(
                     index=len(choices), text=echo + st.content,
-                    logprobs=self._completion_logprobs(st) if options.logprobs else None,
+                    logprobs=(completion_logprobs(st.logprobs, len(echo), echoed)
+                              if options.logprobs else None),
                     finish_reason=st.finish_reason, stop_reason=st.stop_reason,
                     token_ids=st.token_ids if options.return_token_ids else None,
                     prompt_token_ids=ids if options.return_token_ids else None,
-                    prompt_logprobs=prompt_logprobs_json(st.prompt_logprobs, ids, token_text)))
-            u = self._usage(states, ids)
+                    prompt_logprobs=(prompt_logprobs_json(prompt_entries, ids, token_text)
+                                     if body.prompt_logprobs is not None else None)))
+            u = self._usage(chosen, ids)  # as vLLM, with best_of only the choices returned
             usage.prompt_tokens += u.prompt_tokens
             usage.completion_tokens += u.completion_tokens
             usage.total_tokens += u.total_tokens
@@ -634,24 +714,14 @@ class Ingress:
             out.append(chat.truncate(ids, body.truncate_prompt_tokens, limits.max_model_len))
         return out
 
-    @staticmethod
-    def _completion_logprobs(st: ChoiceState) -> CompletionLogprobs:
-        lp = CompletionLogprobs()
-        offset = 0
-        for e in st.logprobs:
-            lp.tokens.append(e.token)
-            lp.token_logprobs.append(e.logprob)
-            lp.top_logprobs.append({t.token: t.logprob for t in e.top_logprobs} or None)
-            lp.text_offset.append(offset)
-            offset += len(e.token)
-        return lp
-
     async def _completion_stream(self, served: ServedModel, generation: Generation,
                                  states: list[ChoiceState], rid: str,
                                  options: sampling.OutputOptions, ids: list[int], echo: str,
-                                 timeout: float) -> AsyncIterator[str]:
+                                 timeout: float, started: float,
+                                 token_text: TokenText) -> AsyncIterator[str]:
         created = int(time.time())
         echoed = [False] * len(states)
+        offsets = [len(echo)] * len(states)  # text_offset of each choice's next token
 
         def chunk(choices: list[dict], usage: Usage | None = None) -> str:
             obj: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created,
@@ -663,25 +733,27 @@ class Ingress:
             async with contextlib.aclosing(generation.deltas(states, timeout)) as deltas:
                 async for st, delta in deltas:
                     text = delta.content
-                    if not echoed[st.index]:
+                    first = not echoed[st.index]
+                    if first:
                         echoed[st.index] = True
+                        self.metrics.observe_first_token(served.name, started)
                         text = echo + text
                     c: dict[str, Any] = {"index": st.index, "text": text,
                                          "finish_reason": delta.finish_reason,
                                          "stop_reason": delta.stop_reason, "logprobs": None}
                     if options.logprobs:
-                        c["logprobs"] = {
-                            "tokens": [e.token for e in delta.logprobs],
-                            "token_logprobs": [e.logprob for e in delta.logprobs],
-                            "top_logprobs": [{t.token: t.logprob for t in e.top_logprobs} or None
-                                             for e in delta.logprobs],
-                            "text_offset": []}
+                        prompt = ((ids, states[0].prompt_logprobs, token_text,
+                                   options.top_logprobs) if first and options.echo else None)
+                        lp = completion_logprobs(delta.logprobs, offsets[st.index], prompt)
+                        offsets[st.index] += sum(len(e.token) for e in delta.logprobs)
+                        c["logprobs"] = lp.model_dump()
                     if options.return_token_ids:
                         c["token_ids"] = delta.token_ids
                     yield chunk([c], self._usage(states, ids)
                                 if options.continuous_usage_stats else None)
                 if options.include_usage:
                     yield chunk([], self._usage(states, ids))
+                self.metrics.observe_request(served.name, started, states, len(ids))
         except APIError as exc:  # after the 200: the error travels in the stream
             yield exc.sse()
         yield DONE

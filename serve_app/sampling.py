@@ -14,9 +14,11 @@ from replicas.request import SamplingParams
 from serve_app.errors import APIError
 from serve_app.protocol import MAX_BAD_WORDS_TOKENS, ChatCompletionRequest, SamplingFields
 from structured.spec import Constraint
+from structured.schema_check import BACKEND_OF_KIND
 
-GUIDED_BACKENDS = {"auto", "outlines", "llguidance", "guidance", "xgrammar",
-                   "lm-format-enforcer"}
+# vLLM's names for the backends here ("guidance" is llguidance)
+GUIDED_BACKENDS = {"auto": None, "outlines": "outlines", "llguidance": "llguidance",
+                   "guidance": "llguidance"}
 MAX_LOGPROBS = 20
 
 
@@ -24,6 +26,7 @@ MAX_LOGPROBS = 20
 class OutputOptions:
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
+    min_tokens: int = 0  # stop strings count from this many output tokens on
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     logprobs: bool = False
@@ -158,14 +161,43 @@ def constraint_of(request: SamplingFields) -> Constraint | None:
     if found and found[0][1].kind == "choice" and not json.loads(found[0][1].value):
         raise APIError("choice needs at least one option", param=found[0][0])
     backend = request.guided_decoding_backend or (so.backend if so else None)
-    if backend is not None and backend.split(":")[0] not in GUIDED_BACKENDS:
-        raise APIError(f"unknown guided decoding backend {backend!r}; one of "
-                       f"{sorted(GUIDED_BACKENDS)}", param="guided_decoding_backend")
+    if backend is not None:
+        param = "guided_decoding_backend" if request.guided_decoding_backend else "backend"
+        if backend not in GUIDED_BACKENDS:
+            raise APIError(f"guided decoding backend {backend!r} is not served here (nor are "
+                           "options after a colon: use structured_outputs' fields); one of "
+                           f"{sorted(GUIDED_BACKENDS)}", param=param)
+        wanted = GUIDED_BACKENDS[backend]
+        if found and wanted is not None:
+            kind = found[0][1].kind
+            if BACKEND_OF_KIND[kind] != wanted:
+                # each kind has one backend and never falls back to another, so a request for
+                # another one is refused rather than quietly served by the wrong one
+                raise APIError(f"{kind} constraints are compiled by {BACKEND_OF_KIND[kind]} "
+                               f"here, not {backend}; send backend 'auto' or "
+                               f"'{BACKEND_OF_KIND[kind]}'", param=param)
     return found[0][1] if found else None
+
+
+# fields of vLLM's and others' APIs that shardserve has nothing to do with: a request that sets
+# one is refused, never served as if it had not
+UNSUPPORTED = {
+    "vllm_xargs": "it carries arguments for vLLM's own plugins; custom logits processors take "
+                  "theirs in logits_processors here",
+    "kv_transfer_params": "shardserve has no KV connector (disaggregated prefill)",
+    "inference_extra_params": "shardserve defines no extra inference parameters",
+    "inference_extra_headers": "shardserve forwards no headers to a model backend",
+    "mm_processor_kwargs": "the served model takes text only",
+    "prediction": "Predicted Outputs (a speculative draft) are not served yet; send the request "
+                  "without it",
+}
 
 
 def build(request: SamplingFields, *, prompt_len: int, limits: ServerLimits, tokenizer: Any,
           chat: bool) -> tuple[SamplingParams, OutputOptions]:
+    for name, why in UNSUPPORTED.items():
+        if getattr(request, name, None):  # absent, null or empty: nothing asked for
+            raise APIError(f"{name} is not supported: {why}", param=name)
     max_tokens = request.max_tokens
     max_param = "max_tokens"
     if chat and isinstance(request, ChatCompletionRequest):
@@ -216,6 +248,11 @@ def build(request: SamplingFields, *, prompt_len: int, limits: ServerLimits, tok
     if request.prompt_logprobs is not None:
         if request.stream:
             raise APIError("prompt_logprobs cannot be used with stream", param="prompt_logprobs")
+        if request.prompt_logprobs == -1:
+            # vLLM's -1: the whole vocabulary for every prompt token, past its max_logprobs
+            raise APIError(f"prompt_logprobs -1 asks for the whole vocabulary "
+                           f"({limits.vocab_size} entries) per prompt token; at most "
+                           f"{MAX_LOGPROBS} are served", param="prompt_logprobs")
         if request.prompt_logprobs > MAX_LOGPROBS:
             raise APIError(f"prompt_logprobs must be at most {MAX_LOGPROBS}",
                            param="prompt_logprobs")
@@ -254,7 +291,16 @@ def build(request: SamplingFields, *, prompt_len: int, limits: ServerLimits, tok
         logprobs_n = top_logprobs
     if best_of is not None and best_of > request.n and logprobs_n is None:
         logprobs_n = 0  # ranking the candidates needs each token's logprob
+    prompt_logprobs = request.prompt_logprobs
+    if not chat and request.echo and request.logprobs is not None:
+        # as vLLM, the echoed prompt's tokens get logprobs too
+        prompt_logprobs = max(prompt_logprobs or 0, request.logprobs)
 
+    bad_words = _bounded(_bad_words(request.bad_words, tokenizer))
+    if request.allowed_token_ids is not None and set(request.allowed_token_ids) <= {
+            w[0] for w in bad_words if len(w) == 1}:
+        raise APIError("bad_words ban every token allowed_token_ids allows: nothing could be "
+                       "generated", param="allowed_token_ids")
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature,
         top_p=1.0 if request.top_p is None else request.top_p,
@@ -266,16 +312,16 @@ def build(request: SamplingFields, *, prompt_len: int, limits: ServerLimits, tok
         logit_bias=_logit_bias(request.logit_bias, limits.vocab_size),
         allowed_token_ids=(tuple(request.allowed_token_ids)
                            if request.allowed_token_ids is not None else None),
-        bad_words_token_ids=_bounded(_bad_words(request.bad_words, tokenizer)),
+        bad_words_token_ids=bad_words,
         seed=request.seed, min_tokens=request.min_tokens, ignore_eos=request.ignore_eos,
         stop_token_ids=tuple(request.stop_token_ids or ()), logprobs=logprobs_n,
-        prompt_logprobs=(None if request.prompt_logprobs is None
-                         else max(0, request.prompt_logprobs)),
+        prompt_logprobs=prompt_logprobs,
         logits_processors=tuple(processors))
     so = request.stream_options
     options = OutputOptions(
         stop=_stop_list(request.stop),
         include_stop_str_in_output=request.include_stop_str_in_output,
+        min_tokens=request.min_tokens,
         skip_special_tokens=request.skip_special_tokens,
         spaces_between_special_tokens=request.spaces_between_special_tokens,
         logprobs=logprobs_n is not None and (best_of is None or best_of == request.n

@@ -10,7 +10,7 @@ from typing import Any
 
 from replicas.request import TokenBatch, TokenLogprob
 from serve_app.detokenize import IncrementalDetokenizer
-from serve_app.protocol import LogprobEntry, TopLogprob
+from serve_app.protocol import CompletionLogprobs, LogprobEntry, TopLogprob
 from serve_app.sampling import OutputOptions
 from serve_app.tool_parser import OutputParser, ParsedToolCall
 from structured.vocabulary import token_to_bytes
@@ -104,7 +104,8 @@ class ChoiceState:
         self.detok = IncrementalDetokenizer(
             fast_tokenizer, options.skip_special_tokens, list(options.stop),
             options.include_stop_str_in_output,
-            spaces_between_special_tokens=options.spaces_between_special_tokens)
+            spaces_between_special_tokens=options.spaces_between_special_tokens,
+            min_tokens=options.min_tokens)
         self.tokenizer = tokenizer
         self.parser = parser
         self.token_text = token_text
@@ -112,6 +113,10 @@ class ChoiceState:
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        # set when this side cut the output at a stop string: the engine's choice must end
+        # there too (`stop_sent` once it has been told)
+        self.stopped_at: int | None = None
+        self.stop_sent = False
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
         self.prompt_logprobs: tuple | None = None
@@ -135,8 +140,14 @@ class ChoiceState:
         delta = ChoiceDelta(self.index)
         ids = list(batch.token_ids)
         text = self.detok.add(ids[:-1] if self._ends_on_stop_token(batch) else ids)
+        logprobs = batch.logprobs
         if text.stop is not None:
             self.finish_reason, self.stop_reason = "stop", text.stop
+            # the tokens after the one that completed the stop string are not the client's:
+            # not in token_ids, logprobs, usage or the best_of score
+            ids = ids[:text.used]
+            logprobs = None if logprobs is None else logprobs[:text.used]
+            self.stopped_at = len(self.token_ids) + len(ids)
         elif batch.finish_reason is not None:
             self.finish_reason, self.stop_reason = batch.finish_reason, batch.stop_reason
         piece = text.text
@@ -144,8 +155,8 @@ class ChoiceState:
             piece += self.detok.flush()
         self.token_ids.extend(ids)
         delta.token_ids = ids
-        if batch.logprobs is not None:
-            for lp in batch.logprobs:
+        if logprobs is not None:
+            for lp in logprobs:
                 self.cumulative_logprob += lp.logprob
                 if self.options.logprobs:
                     delta.logprobs.append(self.token_text.entry(lp, self.options.top_logprobs))
@@ -181,6 +192,34 @@ class ChoiceState:
     def score(self, length_penalty: float) -> float:
         """best_of ranking: cumulative logprob over length ** length_penalty."""
         return self.cumulative_logprob / max(1, len(self.token_ids)) ** length_penalty
+
+
+def completion_logprobs(entries: list[LogprobEntry], start: int,
+                        echoed: tuple[list[int], tuple | None, TokenText, int] | None = None
+                        ) -> CompletionLogprobs:
+    """/v1/completions' logprobs shape for some tokens: `entries` of generated tokens, their
+    text offsets counted from `start`; with `echoed` (prompt ids, their prompt logprobs, the
+    token renderer, top n), the echoed prompt's tokens first, from offset 0 (as vLLM)."""
+    lp = CompletionLogprobs()
+    if echoed is not None:
+        ids, prompt_entries, token_text, top_n = echoed
+        offset = 0
+        for tid, e in zip(ids, prompt_entries or (None,) * len(ids)):
+            text = token_text(tid)
+            lp.tokens.append(text)
+            lp.token_logprobs.append(None if e is None else _finite(e.logprob))
+            lp.top_logprobs.append(None if e is None else
+                                   {token_text(t): _finite(v) for t, v in e.top[:top_n]} or None)
+            lp.text_offset.append(offset)
+            offset += len(text)
+    offset = start
+    for e in entries:
+        lp.tokens.append(e.token)
+        lp.token_logprobs.append(e.logprob)
+        lp.top_logprobs.append({t.token: t.logprob for t in e.top_logprobs} or None)
+        lp.text_offset.append(offset)
+        offset += len(e.token)
+    return lp
 
 
 def prompt_logprobs_json(entries: tuple | None, prompt_ids: list[int],

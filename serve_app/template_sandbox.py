@@ -19,20 +19,16 @@ their own on their own clock, so one client cannot hold every worker."""
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
+from dataclasses import dataclass
 from typing import Any
 
 from serve_app.errors import APIError
+from structured.worker_process import Worker, spawn
 
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 START_TIMEOUT_S = 60.0  # a worker still not started after this is replaced
 RETRY_AFTER_S = 1
 
@@ -43,21 +39,6 @@ class _TimedOut(Exception):
 
 class _NoWorker(Exception):
     """No started worker before the deadline (all busy, or the new one still starting)."""
-
-
-@dataclass(eq=False)
-class _Worker:
-    process: subprocess.Popen
-    inbox: Connection  # parent -> worker
-    outbox: Connection  # worker -> parent
-    spawned: float = field(default_factory=time.monotonic)
-    ready: bool = False
-
-    def kill(self) -> None:
-        self.process.kill()
-        self.process.wait(timeout=5)
-        self.inbox.close()
-        self.outbox.close()
 
 
 @dataclass(eq=False)
@@ -83,7 +64,7 @@ class TemplateSandbox:
         self.max_chars = max_chars
         self.max_memory_mb = max_memory_mb
         self.per_client = per_client
-        self._idle: list[_Worker] = []
+        self._idle: list[Worker] = []
         self._lock = threading.Lock()
         self._closed = False
         # one thread per worker: a render holds a slot before it is handed to a thread, so jobs
@@ -177,27 +158,11 @@ class TemplateSandbox:
                         f"{self.timeout_s:g} s limit; retry later", 503, param="chat_template",
                         retry_after=RETRY_AFTER_S)
 
-    def _spawn(self) -> _Worker:
-        # A fresh interpreter running only the worker module: unlike multiprocessing's spawn it
-        # never re-imports the parent's __main__ (a Ray worker's), and unlike fork it carries no
-        # threads, torch, Ray or event-loop state.
-        to_worker_r, to_worker_w = os.pipe()
-        to_parent_r, to_parent_w = os.pipe()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
-        code = (f"from serve_app.template_worker import main; main({to_worker_r}, {to_parent_w}, "
-                f"{self.max_chars}, {self.max_memory_mb * 2**20})")
-        try:
-            process = subprocess.Popen([sys.executable, "-c", code], env=env,
-                                       pass_fds=(to_worker_r, to_parent_w),
-                                       stdin=subprocess.DEVNULL)
-        finally:
-            os.close(to_worker_r)
-            os.close(to_parent_w)
-        return _Worker(process, Connection(to_worker_w, readable=False),
-                       Connection(to_parent_r, writable=False))
+    def _spawn(self) -> Worker:
+        return spawn("serve_app.template_worker:main", self.max_chars,
+                     self.max_memory_mb * 2**20)
 
-    def _take(self) -> _Worker:
+    def _take(self) -> Worker:
         with self._lock:
             if self._closed:
                 raise _NoWorker()
@@ -208,7 +173,7 @@ class TemplateSandbox:
             self._idle.remove(worker)
             return worker
 
-    def _retire(self, worker: _Worker, healthy: bool) -> None:
+    def _retire(self, worker: Worker, healthy: bool) -> None:
         with self._lock:
             if healthy and not self._closed:
                 self._idle.append(worker)

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import os
 import resource
-import threading
-import time
-from multiprocessing.connection import Connection
 from typing import Any
+
+from structured.worker_process import connect
 
 
 class _TooLarge(Exception):
@@ -46,15 +45,7 @@ def main(read_fd: int, write_fd: int, max_chars: int, max_memory_bytes: int) -> 
     os.nice(10)
     from transformers.utils import chat_template_utils
 
-    inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
-    parent = os.getppid()
-
-    def exit_with_parent() -> None:  # a killed ingress must not leave a render running
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(0)
-
-    threading.Thread(target=exit_with_parent, daemon=True).start()
+    inbox, outbox = connect(read_fd, write_fd)  # a killed ingress leaves no render running
     # render_jinja_template compiles through this module-level name: wrapping it here (this
     # process renders nothing else) keeps every other step of transformers' rendering as it is
     compile_template = chat_template_utils._compile_jinja_template

@@ -45,8 +45,10 @@ def _partial_tag(text: str, tag: str) -> int:
 
 class OutputParser:
     def __init__(self, parse_reasoning: bool, include_reasoning: bool, parse_tools: bool,
-                 start_in_reasoning: bool = False) -> None:
+                 start_in_reasoning: bool = False, parallel_tool_calls: bool = True) -> None:
         self.parse_reasoning = parse_reasoning
+        # without parallel_tool_calls only the first call is returned (vLLM), under "auto" too
+        self.max_tool_calls = None if parallel_tool_calls else 1
         self.include_reasoning = include_reasoning
         self.parse_tools = parse_tools
         # "start": reasoning may still open; "reasoning"; "content"; "tool": inside a tool block
@@ -135,6 +137,8 @@ class OutputParser:
                 raise TypeError("name")
         except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
             out.content += TOOL_OPEN + body + TOOL_CLOSE
+            return
+        if self.max_tool_calls is not None and len(self.tool_calls) >= self.max_tool_calls:
             return
         arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
         call = ParsedToolCall(len(self.tool_calls), f"chatcmpl-tool-{uuid.uuid4().hex[:24]}",

@@ -13,19 +13,13 @@ start in about 0.1 s; each runs under an address-space cap.
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from multiprocessing.connection import Connection
 
 import outlines_core
 
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
+from structured.worker_process import Worker, connect, spawn
 
 class BuildTimeout(Exception):
     """The build ran past its time limit; the worker was killed."""
@@ -37,15 +31,7 @@ class BuildFailed(Exception):
 
 def _serve(read_fd: int, write_fd: int) -> None:
     """Worker process main: receive (vocabulary, memory cap), then build Indexes until EOF."""
-    inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
-    parent = os.getppid()
-
-    def exit_with_parent() -> None:  # a killed server must not leave a compile running for minutes
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(0)
-
-    threading.Thread(target=exit_with_parent, daemon=True).start()
+    inbox, outbox = connect(read_fd, write_fd)
     vocabulary, max_memory_bytes = inbox.recv()
     if max_memory_bytes:
         import resource
@@ -65,20 +51,6 @@ def _serve(read_fd: int, write_fd: int) -> None:
             outbox.send(("error", str(e)))
 
 
-@dataclass(eq=False)
-class _Worker:
-    process: subprocess.Popen
-    inbox: Connection  # parent -> worker
-    outbox: Connection  # worker -> parent
-    ready: bool = False
-
-    def kill(self) -> None:
-        self.process.kill()
-        self.process.wait(timeout=5)
-        self.inbox.close()
-        self.outbox.close()
-
-
 class IndexBuilder:
     """A pool of `processes` killable workers building `outlines_core.Index(regex, vocabulary)`.
 
@@ -92,8 +64,8 @@ class IndexBuilder:
         self._vocabulary = vocabulary
         self._max_memory = max_memory_mb * 2**20 if max_memory_mb else None
         self._size = max(1, processes)
-        self._workers: set[_Worker] = set()
-        self._idle: list[_Worker] = []
+        self._workers: set[Worker] = set()
+        self._idle: list[Worker] = []
         self._lock = threading.Lock()
         self._threads = ThreadPoolExecutor(max_workers=self._size, thread_name_prefix="index-wait")
         self._closed = False
@@ -104,33 +76,18 @@ class IndexBuilder:
             while len(self._workers) < self._size:
                 self._idle.append(self._spawn())
 
-    def _spawn(self) -> _Worker:
-        # A fresh interpreter running only this module: unlike multiprocessing's spawn it never
-        # re-imports the parent's __main__, and it carries no torch, Ray or event-loop state.
-        to_worker_r, to_worker_w = os.pipe()
-        to_parent_r, to_parent_w = os.pipe()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
-        code = f"from structured.index_builder import _serve; _serve({to_worker_r}, {to_parent_w})"
-        try:
-            process = subprocess.Popen([sys.executable, "-c", code], env=env,
-                                       pass_fds=(to_worker_r, to_parent_w),
-                                       stdin=subprocess.DEVNULL)
-        finally:
-            os.close(to_worker_r)
-            os.close(to_parent_w)
-        worker = _Worker(process, Connection(to_worker_w, readable=False),
-                         Connection(to_parent_r, writable=False))
+    def _spawn(self) -> Worker:
+        worker = spawn("structured.index_builder:_serve")
         self._workers.add(worker)
         return worker
 
-    def _take(self) -> _Worker:
+    def _take(self) -> Worker:
         with self._lock:
             if self._closed:
                 raise BuildFailed("the compiler is closed")
             return self._idle.pop() if self._idle else self._spawn()
 
-    def _retire(self, worker: _Worker, healthy: bool) -> None:
+    def _retire(self, worker: Worker, healthy: bool) -> None:
         with self._lock:
             if healthy and not self._closed:
                 self._idle.append(worker)

@@ -60,6 +60,12 @@ class Plan:
     param: str
 
 
+# the one backend that compiles each kind (no fallback between them)
+BACKEND_OF_KIND: dict[str, Backend] = {
+    "json_schema": "llguidance", "json_object": "llguidance", "grammar": "llguidance",
+    "structural_tag": "llguidance", "regex": "outlines", "choice": "outlines"}
+
+
 def check_constraint(spec: Constraint) -> Plan:
     """Validate `spec` and choose its backend. Raises ConstraintError (400) when it is invalid or
     uses something the backend would not enforce."""

@@ -233,3 +233,57 @@ async def test_message_budget_groups_tokens_under_load(server: LLMServer) -> Non
         assert grouped[0][-1].finish_reason == "length"
 
 
+
+
+async def test_stop_choice_ends_one_choice_and_takes_its_extra_tokens_off_the_counters(
+        server: LLMServer) -> None:
+    """The ingress found a stop string after 3 tokens of choice 0 (the engine had made more):
+    that choice ends, its row is freed, choice 1 runs on to max_tokens, and the engine's
+    generation counter grows by exactly what the client got."""
+    before = server.engine.stats.generation_tokens
+    req = GenerateRequest("stop-choice", _prompts(1, seed=7)[0],
+                          SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True), n=2)
+    got: dict[int, list] = {0: [], 1: []}
+    sent = False
+    async for batches in server.generate(req):
+        for b in batches:
+            got[b.choice_index].append(b)
+        if not sent and len(_tokens(got[0])) >= 5:
+            server.engine.stop_choice("stop-choice", 0, 3)
+            sent = True
+    assert got[0][-1].finish_reason == "stop" and got[1][-1].finish_reason == "length"
+    assert len(_tokens(got[0])) < 60 and len(_tokens(got[1])) == 60
+    assert server.engine.stats.generation_tokens - before == 3 + 60
+    # a stop for a choice that had already finished still corrects the counter
+    before = server.engine.stats.generation_tokens
+    req = dataclasses.replace(req, request_id="stop-late", n=1)
+    await _collect(server, req)
+    server.engine.stop_choice("stop-late", 0, 10)
+    await asyncio.sleep(0.1)  # the engine's loop applies it
+    assert server.engine.stats.generation_tokens - before == 10
+    assert server.engine.blocks.num_used_blocks == 0
+
+
+async def test_prompt_logprobs_survive_preemption_and_are_computed_once_for_n() -> None:
+    """A KV budget of one full-length sequence and chunked prefill: requests are preempted
+    mid-prefill and computed again; each prompt token still gets exactly one entry, equal to
+    the entry computed without preemption. With n = 2 only choice 0 carries them."""
+    tight = LLMServer(ReplicaConfig(model=EMBEDDED_MODEL_ID, max_model_len=256, kv_cache_gib=0.0,
+                                    max_num_seqs=8, max_num_batched_tokens=32, block_size=8))
+    prompts = _prompts(6, seed=11)
+    prompts = [p + p for p in prompts]  # long enough to need several prefill chunks
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+
+    async def run(i: int, prompt: tuple[int, ...], n: int = 1) -> dict[int, list]:
+        return await _collect(tight, GenerateRequest(f"plp-{i}-{n}", prompt[:200], params, n=n))
+
+    alone = [(await run(i, p))[0][0].prompt_logprobs for i, p in enumerate(prompts)]
+    together = await asyncio.gather(*(run(100 + i, p) for i, p in enumerate(prompts)))
+    assert tight.engine.scheduler.num_preemptions > 0
+    for p, a, t in zip(prompts, alone, together):
+        got = t[0][0].prompt_logprobs
+        assert len(got) == len(p[:200]) and got[0] is None
+        assert [e.token_id for e in got[1:]] == list(p[1:200])
+        assert [round(e.logprob, 4) for e in got[1:]] == [round(e.logprob, 4) for e in a[1:]]
+    two = await run(999, prompts[0], n=2)
+    assert two[0][0].prompt_logprobs is not None and two[1][0].prompt_logprobs is None

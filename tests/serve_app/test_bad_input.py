@@ -113,6 +113,7 @@ CASES = [
               "prompt_logprobs"),
     chat_case("prompt_logprobs-above-20", {"prompt_logprobs": 21}, "prompt_logprobs"),
     chat_case("prompt_logprobs-below-minus-1", {"prompt_logprobs": -2}, "prompt_logprobs"),
+    chat_case("prompt_logprobs-whole-vocabulary", {"prompt_logprobs": -1}, "prompt_logprobs"),
     # ---- stream options
     chat_case("stream_options-without-stream", {"stream_options": {"include_usage": True}},
               "stream_options"),

@@ -102,6 +102,31 @@ def test_spaces_between_special_tokens(fast, spaces: bool, expected: str) -> Non
     assert whole.add(SPECIAL_MIX).text + whole.flush() == expected
 
 
+def test_a_stop_string_ends_the_output_at_the_token_that_completed_it(fast, tokenizer) -> None:
+    """Given many tokens at once (the replica groups them under load), the output's tokens end
+    at the one that completed the stop string, whatever came after it."""
+    ids = tokenizer.encode("hello world and more text after it", add_special_tokens=False)
+    for stop, include in (("o wor", False), ("o wor", True), ("and", False)):
+        d = IncrementalDetokenizer(fast, stop=[stop], include_stop_str_in_output=include)
+        out = d.add(ids)
+        # the fewest tokens whose text contains the stop string
+        used = next(k for k in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:k]))
+        assert out.stop == stop and out.used == used < len(ids)
+        assert d.add(ids).used == 0  # nothing more after the stop
+    assert IncrementalDetokenizer(fast, stop=["zzz"]).add(ids).used == len(ids)
+
+
+def test_min_tokens_holds_stop_strings_back(fast, tokenizer) -> None:
+    """As vLLM: a stop string counts only from the min_tokens-th output token on."""
+    ids = tokenizer.encode("stop here, then stop again", add_special_tokens=False)
+    early = IncrementalDetokenizer(fast, stop=["stop"]).add(ids)
+    assert early.text == "" and early.used == 2  # "st", "op"
+    held = IncrementalDetokenizer(fast, stop=["stop"], min_tokens=3)
+    out = held.add(ids)
+    assert out.stop == "stop" and out.text == "stop here, then "
+    assert tokenizer.decode(ids[:out.used]).endswith("then stop")
+
+
 @pytest.mark.parametrize("spaces", [True, False])
 def test_spaces_flag_is_moot_when_special_tokens_are_skipped(fast, spaces: bool) -> None:
     detok = IncrementalDetokenizer(fast, skip_special_tokens=True,

@@ -341,7 +341,7 @@ def test_best_of_returns_the_n_best_by_mean_logprob(base_url: str) -> None:
     assert [c["index"] for c in best["choices"]] == [0, 1]
     assert [message(best, i)["content"] for i in range(2)] == [
         message(four, i)["content"] for i in order[:2]]
-    assert best["usage"]["completion_tokens"] == 32  # every candidate's tokens count
+    assert best["usage"]["completion_tokens"] == 16  # as vLLM: only the returned choices count
     assert best["choices"][0]["logprobs"] is None  # ranking needs them, the client did not ask
     one = chat(base_url, best_of=4, **kw)
     assert len(one["choices"]) == 1 and message(one)["content"] == message(four, order[0])[
@@ -610,6 +610,19 @@ def test_request_id_echoed_in_id_and_header(base_url: str) -> None:
     assert r.json()["id"] == f"cmpl-{rid}" and rid in header(r)
 
 
+def test_a_retry_with_the_same_request_id_while_the_first_runs_is_served(base_url: str) -> None:
+    rid = f"retry-{uuid.uuid4().hex[:8]}"
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 64, "ignore_eos": True}
+
+    def post() -> httpx.Response:
+        return httpx.post(f"{base_url}/chat/completions", json=body, timeout=60,
+                          headers={"X-Request-Id": rid})
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(lambda _: post(), range(2)))
+    assert [r.status_code for r in answers] == [200, 200], [r.text for r in answers]
+    assert {r.json()["id"] for r in answers} == {f"chatcmpl-{rid}"}
+
+
 def test_one_x_request_id_header(base_url: str) -> None:
     r = httpx.post(f"{base_url}/chat/completions", timeout=60,
                    json={"model": MODEL, "messages": MESSAGES, "max_tokens": 1})
@@ -688,9 +701,21 @@ def test_cache_salt_isolates_prefix_cache(base_url: str) -> None:
 def test_user_and_unknown_fields_are_accepted(client: OpenAI) -> None:
     r = client.chat.completions.create(
         model=MODEL, messages=MESSAGES, max_tokens=2, user="user-1234",
-        extra_body={"not_a_parameter": {"x": 1}, "vllm_xargs": {"a": 1},
+        extra_body={"not_a_parameter": {"x": 1}, "vllm_xargs": {},
                     "kv_transfer_params": None, "mm_processor_kwargs": {}})
     assert r.choices[0].message.role == "assistant"
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("vllm_xargs", {"a": 1}), ("kv_transfer_params", {"do_remote_prefill": True}),
+    ("inference_extra_params", {"x": 1}), ("inference_extra_headers", {"x-y": "1"}),
+    ("mm_processor_kwargs", {"num_crops": 4}),
+    ("prediction", {"type": "content", "content": "draft"})])
+def test_fields_shardserve_cannot_honour_are_refused(base_url: str, field: str,
+                                                      value: object) -> None:
+    """Never accepted and ignored: a 400 that names the field and says why."""
+    err = error(base_url, **{field: value})
+    assert err["param"] == field and "not supported" in err["message"]
 
 
 def test_logits_processors_need_the_allowlist(base_url: str) -> None:
@@ -723,6 +748,15 @@ def test_completions_prompt_forms(base_url: str, root: str) -> None:
     assert [c["index"] for c in two["choices"]] == [0, 1]
     assert two["choices"][0]["text"] == one["choices"][0]["text"]
     assert two["usage"]["completion_tokens"] == 8
+    # the prompts of a list run at once: a list of 8 takes far less than 8 times one
+    started = time.monotonic()
+    completion(base_url, prompt="The sea is", max_tokens=48, temperature=0, ignore_eos=True)
+    alone = time.monotonic() - started
+    started = time.monotonic()
+    eight = completion(base_url, prompt=["The sea is"] * 8, max_tokens=48, temperature=0,
+                       ignore_eos=True)
+    together = time.monotonic() - started
+    assert len({c["text"] for c in eight["choices"]}) == 1 and together < 4 * alone
     ids = tokenize(root, prompt="Mountains are")
     by_ids = completion(base_url, prompt=ids, max_tokens=4, temperature=0, ignore_eos=True)
     assert by_ids["choices"][0]["text"] == two["choices"][1]["text"]
@@ -732,17 +766,31 @@ def test_completions_prompt_forms(base_url: str, root: str) -> None:
     assert lists["usage"]["prompt_tokens"] == two["usage"]["prompt_tokens"]
 
 
-def test_completions_echo_logprobs_and_suffix(base_url: str) -> None:
+def test_completions_echo_logprobs_and_suffix(base_url: str, root: str) -> None:
+    """As vLLM: with echo, the prompt's tokens come first in logprobs (the first without a
+    logprob), and text_offset counts the echoed prompt; the same when streamed."""
+    prompt_ids = tokenize(root, prompt="The sea is")
+    p = len(prompt_ids)
     r = completion(base_url, prompt="The sea is", max_tokens=5, temperature=0, echo=True,
                    ignore_eos=True, logprobs=3, return_token_ids=True)
     c = r["choices"][0]
     assert c["text"].startswith("The sea is") and len(c["text"]) > len("The sea is")
     lp = c["logprobs"]
-    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 5
-    assert all(v <= 0 for v in lp["token_logprobs"])
-    assert all(1 <= len(top) <= 3 for top in lp["top_logprobs"])
-    assert lp["text_offset"] == sorted(lp["text_offset"])
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == p + 5
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(v <= 0 for v in lp["token_logprobs"][1:])
+    assert all(1 <= len(top) <= 3 for top in lp["top_logprobs"][1:])
+    assert "".join(lp["tokens"][:p]) == "The sea is"
+    assert lp["text_offset"][:p] == sorted(lp["text_offset"][:p])
+    assert lp["text_offset"][p] == len("The sea is")  # the first generated token's place
+    assert "".join(lp["tokens"][p:]) == c["text"][len("The sea is"):]
     assert len(c["token_ids"]) == 5
+    streamed = sse_chunks(base_url, {"prompt": "The sea is", "max_tokens": 5, "temperature": 0,
+                                     "ignore_eos": True, "echo": True, "logprobs": 3},
+                          "/completions")
+    offsets = [o for ch in streamed if ch["choices"] and ch["choices"][0]["logprobs"]
+               for o in ch["choices"][0]["logprobs"]["text_offset"]]
+    assert offsets == lp["text_offset"]
     err = error(base_url, "/completions", prompt="def f(", suffix="return x")
     assert err["param"] == "suffix"
     streamed = sse_chunks(base_url, {"prompt": "The sea is", "max_tokens": 5, "temperature": 0,
@@ -778,11 +826,18 @@ def test_metrics_vllm_names(base_url: str, root: str) -> None:
     assert f'model_name="{MODEL}"' in text
 
 
-def _ttft_count(root: str) -> float:
+def _ttft_count(root: str, name: str = "vllm:time_to_first_token_seconds_count{") -> float:
     for line in httpx.get(f"{root}/metrics").text.splitlines():
-        if line.startswith("vllm:time_to_first_token_seconds_count{"):
+        if line.startswith(name):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def test_metrics_count_streamed_completions(base_url: str, root: str) -> None:
+    e2e = "vllm:e2e_request_latency_seconds_count{"
+    before = (_ttft_count(root), _ttft_count(root, e2e))
+    sse_chunks(base_url, {"prompt": "The sea is", "max_tokens": 3}, "/completions")
+    assert (_ttft_count(root), _ttft_count(root, e2e)) == (before[0] + 1, before[1] + 1)
 
 
 def test_metrics_time_to_first_token_counts_non_streamed_requests(base_url: str,
@@ -790,3 +845,34 @@ def test_metrics_time_to_first_token_counts_non_streamed_requests(base_url: str,
     before = _ttft_count(root)
     chat(base_url, max_tokens=2)
     assert _ttft_count(root) == before + 1
+
+
+def test_the_guided_decoding_backend_asked_for_is_the_one_used(base_url: str) -> None:
+    """Each constraint kind has one backend and no fallback: a request naming another, or one
+    not served here, is refused; 'auto' or the right one is served."""
+    err = error(base_url, guided_regex="a+", guided_decoding_backend="xgrammar")
+    assert err["param"] == "guided_decoding_backend" and "one of" in err["message"]
+    err = error(base_url, structured_outputs={"regex": "a+", "backend": "guidance"})
+    assert err["param"] == "backend" and "outlines" in err["message"]
+    err = error(base_url, structured_outputs={"json": {"type": "object"}, "backend": "outlines"})
+    assert "llguidance" in err["message"]
+    for backend in ("auto", "outlines"):
+        r = httpx.post(f"{base_url}/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": MESSAGES, "max_tokens": 4,
+            "structured_outputs": {"regex": "a{2}", "backend": backend}})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "aa"
+
+
+def test_return_token_ids_streams_the_prompt_ids_in_each_choices_first_chunk(
+        base_url: str) -> None:
+    whole = chat(base_url, max_tokens=4, return_token_ids=True)
+    chunks = sse_chunks(base_url, {"messages": MESSAGES, "max_tokens": 4, "n": 2,
+                                   "temperature": 1, "return_token_ids": True})
+    with_ids = [c for c in chunks if c.get("prompt_token_ids")]
+    assert len(with_ids) == 2 and {c["choices"][0]["index"] for c in with_ids} == {0, 1}
+    assert all(c["prompt_token_ids"] == whole["prompt_token_ids"] for c in with_ids)
+    first = {}
+    for c in chunks:
+        for ch in c["choices"]:
+            first.setdefault(ch["index"], c)
+    assert all(first[i].get("prompt_token_ids") for i in (0, 1))

@@ -13,6 +13,7 @@ import time
 
 import httpx
 import jsonschema
+import openai
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
@@ -191,3 +192,38 @@ def test_slow_regex_times_out_while_streams_continue(base_url: str) -> None:
     assert r.status_code == 400 and "took longer" in r.json()["error"]["message"]
     assert elapsed < 2.0 + 1.0 + 1.0  # the limit, plus 1 s, plus the HTTP path on a busy CPU
     assert during > 8  # the other streams kept producing tokens meanwhile
+
+
+def _tokens_of(client: OpenAI, text: str) -> list[int]:
+    root = str(client.base_url).removesuffix("/v1/")
+    return httpx.post(f"{root}/tokenize", json={"prompt": text}).json()["tokens"]
+
+
+def test_forced_tokens_obey_the_requests_lists(client: OpenAI) -> None:
+    """A regex that forces a literal jumps forward only where the request sets no lists: with
+    allowed_token_ids, bad_words or stop_token_ids the forced tokens are sampled one by one
+    through them, so a forbidden one ends the output (finish_reason "abort", with the reason)
+    instead of slipping through, and a stop token stops it."""
+    literal = "hello world and more"
+    base = {"guided_regex": literal, "return_token_ids": True}
+    jumped = chat(client, temperature=0, extra_body=base)
+    assert jumped.choices[0].message.content == literal
+    # an unrelated stop token: the same literal, token by token
+    stepped = chat(client, temperature=0, extra_body={**base, "stop_token_ids": [3992]})
+    assert stepped.choices[0].message.content == literal
+    ids = stepped.choices[0].token_ids
+    c = chat(client, temperature=0, extra_body={**base, "allowed_token_ids": ids[:2]}).choices[0]
+    assert c.finish_reason == "abort" and "no token is allowed" in c.stop_reason
+    assert c.token_ids == ids[:2]
+    k = next(k for k in range(1, len(ids)) if ids[k] not in ids[:k])
+    c = chat(client, temperature=0, extra_body={**base, "stop_token_ids": [ids[k]]}).choices[0]
+    assert c.finish_reason == "stop" and c.stop_reason == ids[k]
+    assert c.token_ids == ids[:k + 1]
+
+
+def test_a_request_whose_lists_leave_no_token_is_a_400(client: OpenAI) -> None:
+    he = _tokens_of(client, "he")
+    assert len(he) == 1
+    with pytest.raises(openai.BadRequestError) as exc:
+        chat(client, extra_body={"allowed_token_ids": he, "bad_words": ["he"]})
+    assert exc.value.body["param"] == "allowed_token_ids"

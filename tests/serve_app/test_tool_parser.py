@@ -90,6 +90,15 @@ def test_two_calls_and_the_parameters_alias() -> None:
     assert content.strip() == ""
 
 
+def test_without_parallel_tool_calls_only_the_first_call_is_returned() -> None:
+    p = OutputParser(False, False, True, parallel_tool_calls=False)
+    out = p.feed(TWO_CALLS)
+    tail = p.flush()
+    assert [c.name for c in out.tool_calls + tail.tool_calls] == ["a"]
+    assert [c.name for c in p.tool_calls] == ["a"]
+    assert "<tool_call>" not in out.content + tail.content
+
+
 def test_string_arguments_are_kept_as_they_are() -> None:
     p = OutputParser(False, False, True)
     d = p.feed('<tool_call>{"name": "s", "arguments": "{\\"q\\": 1}"}</tool_call>')
