@@ -294,6 +294,15 @@ class Ingress:
             raise self._rejection(served, exc) from None
         return Generation(call, first, gen.request_id, self.board)
 
+    async def _start_beside(self, served: ServedModel, gen: GenerateRequest) -> Generation:
+        """`_start` for one of several calls a request makes at once, run as a task of its own.
+        Serve gives every handle call made while serving a request that request's internal id,
+        and its router indexes pending calls by that id: a third concurrent call from one
+        request was never routed (Ray 2.60). So this task's calls get an id of their own."""
+        from ray.serve.context import _set_request_context  # Serve's, to work around the above
+        _set_request_context(_internal_request_id=uuid.uuid4().hex)
+        return await self._start(served, gen)
+
     def _rejection(self, served: ServedModel, exc: BaseException) -> APIError:
         """Maps a failed start to its error, counting the ingress's overload refusals."""
         reason = None
@@ -630,7 +639,7 @@ class Ingress:
                                             limits=limits, tokenizer=served.tokenizer, chat=False))
         # every prompt is an engine request of its own, all started at once (as vLLM); one that
         # cannot start fails the whole request
-        starts = await asyncio.gather(*(self._start(served, GenerateRequest(
+        starts = await asyncio.gather(*(self._start_beside(served, GenerateRequest(
             self._engine_key(f"{rid}-{p_index}"), tuple(ids), params, constraint,
             options.best_of or body.n, body.priority, body.cache_salt,
             deadline=ticket.deadline, client=client_id(request)))

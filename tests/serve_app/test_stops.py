@@ -45,8 +45,8 @@ def tokenizer() -> Any:
 def _body(n: int, **extra: Any) -> dict[str, Any]:
     return {"model": MODEL, "messages": [{"role": "user", "content": f"Tell me about {n}."}],
             "max_tokens": MAX_TOKENS, "temperature": 1.0, "seed": SEED + n, "n": n,
-            "ignore_eos": True, "logprobs": True,
-            "extra_body": {"return_token_ids": True, **extra}}
+            "logprobs": True,
+            "extra_body": {"return_token_ids": True, "ignore_eos": True, **extra}}
 
 
 def _stop_spanning(tokenizer: Any, ids: list[int], span: int) -> str:
@@ -136,7 +136,7 @@ def test_stops_are_exact_under_load(base_url: str, tokenizer: Any) -> None:
                 stop = _stop_spanning(tokenizer, refs[n]["choices"][0]["ids"], span)
                 for fn in (_whole, _streamed):
                     cases.append((f"n={n} span={span} {fn.__name__}", n, stop, fn))
-        results = await asyncio.gather(*(fn(client, _body(n, stop=[stop]))
+        results = await asyncio.gather(*(fn(client, {**_body(n), "stop": [stop]})
                                          for _, n, stop, fn in cases))
         spent = sum(await asyncio.gather(*background))
         spent += sum(r["usage"] for r in refs.values()) + sum(r["usage"] for r in results)
