@@ -227,3 +227,18 @@ def test_a_request_whose_lists_leave_no_token_is_a_400(client: OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as exc:
         chat(client, extra_body={"allowed_token_ids": he, "bad_words": ["he"]})
     assert exc.value.body["param"] == "allowed_token_ids"
+
+
+@pytest.mark.parametrize("strict", [True, False, None])
+def test_json_schema_strict_and_disable_fallback_are_honoured(client: OpenAI,
+                                                              strict: bool | None) -> None:
+    """The output always conforms to the schema, so `strict: true` holds, and `strict: false`
+    (OpenAI: best effort) gets the stronger guarantee; each kind of constraint has one backend
+    and never falls back to another, so `disable_fallback: true` holds as well."""
+    schema = {"name": "person", "schema": PERSON,
+              **({"strict": strict} if strict is not None else {})}
+    r = chat(client, response_format={"type": "json_schema", "json_schema": schema}, seed=5)
+    jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+    r = chat(client, extra_body={"structured_outputs": {"json": PERSON,
+                                                        "disable_fallback": True}}, seed=5)
+    jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
