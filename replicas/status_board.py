@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import ray
@@ -119,40 +119,43 @@ def app_name_here(default: str = "shardserve") -> str:
         return default
 
 
-async def publish_forever(app_name: str, model: str, replica: str,
-                          stats: Callable[[], dict[str, Any]]) -> None:
-    """A replica's reporter task: pushes `stats()` every period until cancelled."""
+async def _board_loop(app_name: str, what: str, step: Callable[[Any], Awaitable[None]],
+                      period_s: float | None) -> None:
+    """Runs `step(board)` until cancelled, finding the board again after a failure (it goes
+    with its owner, or Ray is shutting down); pauses `period_s` between steps (None: only after
+    a failure, the step waiting by itself)."""
     board = None
     while True:
+        failed = False
         try:
             if board is None:
                 board = get_board(app_name)
-            await asyncio.wait_for(board.report.remote(model, replica, stats()),
-                                   timeout=STALE_AFTER_S)
+            await step(board)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # the board went with its owner, or Ray is shutting down
-            logger.debug("status report failed: %s", exc)
-            board = None
-        await asyncio.sleep(REPORT_PERIOD_S)
+        except Exception as exc:
+            logger.debug("%s failed: %s", what, exc)
+            board, failed = None, True
+        if period_s is not None or failed:
+            await asyncio.sleep(REPORT_PERIOD_S if period_s is None else period_s)
+
+
+async def publish_forever(app_name: str, model: str, replica: str,
+                          stats: Callable[[], dict[str, Any]]) -> None:
+    """A replica's reporter task: pushes `stats()` every period until cancelled."""
+    async def report(board: Any) -> None:
+        await asyncio.wait_for(board.report.remote(model, replica, stats()),
+                               timeout=STALE_AFTER_S)
+    await _board_loop(app_name, "status report", report, REPORT_PERIOD_S)
 
 
 async def take_stops_forever(app_name: str, replica: str,
                              apply: Callable[[str, int, int], None]) -> None:
     """A replica's task: applies the stop_choice messages ingresses send it until cancelled."""
-    board = None
-    while True:
-        try:
-            if board is None:
-                board = get_board(app_name)
-            for request_id, choice, kept in await board.take_stops.remote(replica):
-                apply(request_id, choice, kept)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # the board went with its owner, or Ray is shutting down
-            logger.debug("stop messages failed: %s", exc)
-            board = None
-            await asyncio.sleep(REPORT_PERIOD_S)
+    async def take(board: Any) -> None:
+        for request_id, choice, kept in await board.take_stops.remote(replica):
+            apply(request_id, choice, kept)
+    await _board_loop(app_name, "stop messages", take, None)
 
 
 def unhealthy_reason(model: str, reports: list[dict[str, Any]]) -> str | None:
