@@ -81,6 +81,8 @@ class Stream:
     tpot_s: float | None  # None: fewer than two tokens came
     started: float
     ended: float
+    text: str = ""
+    usage: dict[str, Any] | None = None
 
 
 async def stream_chat(http: httpx.AsyncClient, url: str, body: dict[str, Any],
@@ -90,6 +92,8 @@ async def stream_chat(http: httpx.AsyncClient, url: str, body: dict[str, Any],
     started = time.perf_counter()
     times: list[float] = []
     tokens = 0
+    parts: list[str] = []
+    usage = None
     async with http.stream("POST", url, json={**body, "stream": True,
                                               "stream_options": {"include_usage": True}}) as r:
         if r.status_code != 200:
@@ -101,15 +105,17 @@ async def stream_chat(http: httpx.AsyncClient, url: str, body: dict[str, Any],
             if "error" in chunk:
                 raise RuntimeError(f"stream error: {chunk['error']}")
             if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
+                usage = chunk["usage"]
+                tokens = usage["completion_tokens"]
             choices = chunk.get("choices") or []
             if choices and (choices[0].get("delta") or {}).get("content"):
                 times.append(time.perf_counter())
+                parts.append(choices[0]["delta"]["content"])
                 if first_token is not None:
                     first_token.set()
     ended = time.perf_counter()
     tpot = (times[-1] - times[0]) / (tokens - 1) if len(times) > 1 and tokens > 1 else None
-    return Stream(tpot, started, ended)
+    return Stream(tpot, started, ended, "".join(parts), usage)
 
 
 def _stream_body(model: str, i: int, max_tokens: int) -> dict[str, Any]:

@@ -30,6 +30,7 @@ SUBCOMMANDS: list[Subcommand] = [
     Subcommand("soak", "benchmarks.soak", "many requests while the server processes' memory is sampled"),
     Subcommand("hop", "benchmarks.hop", "per-step cost of shard actors vs in-process"),
     Subcommand("caps", "benchmarks.caps", "other streams' TPOT beside one request at the list caps"),
+    Subcommand("prediction", "benchmarks.prediction", "TPOT with a mostly right prediction vs without"),
     Subcommand("burst", "benchmarks.burst", "N requests at once: status counts, latency, /health"),
     Subcommand("plot", "benchmarks.plot", "plot latency CDFs and throughput vs concurrency from result files"),
 ]

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from replicas import prediction
 from replicas.executor import Executor
 from structured import bitmask as bitmask_lib
 from replicas.kv_cache import BlockManager
@@ -150,6 +151,7 @@ class Engine:
                 # (the others may then take its KV from the prefix cache)
                 seq.prompt_logprobs = [None]
             seq.logits_processors = self._build_processors(request)
+            seq.prediction = request.prediction
             if compiled is not None:
                 seq.guide = compiled.new_guide()
                 seq.guide_active = request.constraint_after is None
@@ -342,7 +344,8 @@ class Engine:
             start = seq.num_computed_tokens
             rows.append(RowInput(tuple(seq.token_ids[start:start + s.num_new_tokens]), start,
                                  tuple(seq.block_table), s.samples,
-                                 seq.prompt_logprobs is not None and start < seq.num_prompt_tokens))
+                                 (seq.prompt_logprobs is not None
+                                  and start < seq.num_prompt_tokens) or bool(seq.proposed)))
         return StepInput(tuple(rows))
 
     def _account(self, scheduled: list[ScheduledSeq], seconds: float) -> None:
@@ -382,28 +385,83 @@ class Engine:
     def _postprocess(self, scheduled: list[ScheduledSeq], out: StepOutput,
                      sampling: list[Sequence], result: SamplerOutput | None) -> None:
         self.stats.num_steps += 1
+        # seq_id -> (logits that verify its draft, its computed tokens before this step)
+        drafts: dict[int, tuple[torch.Tensor, int]] = {}
+        dropped: set[int] = set()  # drafts taken back: nothing of theirs was sampled
         for s, all_logits in zip(scheduled, out.all_logits):
             seq = s.seq
             before = seq.num_computed_tokens
+            samples = s.samples  # (it reads num_computed_tokens)
             if before < seq.num_prompt_tokens:
                 self.stats.prompt_tokens += min(s.num_new_tokens, seq.num_prompt_tokens - before)
             seq.num_computed_tokens += s.num_new_tokens
+            if seq.proposed:
+                if samples and all_logits is not None:
+                    # from the position of the token before the draft: blocks are committed
+                    # once it is known which draft tokens stay
+                    drafts[seq.seq_id] = (
+                        all_logits[len(seq) - len(seq.proposed) - 1 - before:], before)
+                    continue
+                self._drop_draft(seq)  # only part of it fitted this step's budget
+                dropped.add(seq.seq_id)
             self.blocks.commit_full_blocks(seq, before)
-            if all_logits is not None:
+            if all_logits is not None and seq.prompt_logprobs is not None:
                 self._prompt_logprobs(seq, before, all_logits)
         if result is None:
             return
         for row, (seq, token, lp) in enumerate(zip(sampling, result.token_ids, result.logprobs)):
-            if seq.request_id in self._aborted or seq.is_finished:
+            if seq.request_id in self._aborted or seq.is_finished or seq.seq_id in dropped:
                 continue
             if row in result.masked_out:
                 self._end_masked_out(seq)
                 continue
-            seq.token_ids.append(token)
-            forced = self._advance_guide(seq, token) if seq.guide is not None else []
-            self.stats.generation_tokens += 1 + len(forced)  # every output token, as usage
-            self._check_stop(seq, token)
-            self._emit(seq, (token, *forced), lp)
+            kept: list[int] = []
+            if seq.seq_id in drafts:
+                kept, token = self._verify_draft(seq, *drafts[seq.seq_id], token)
+            new = list(kept)
+            if not seq.is_finished:
+                seq.token_ids.append(token)
+                forced = self._advance_guide(seq, token) if seq.guide is not None else []
+                self._check_stop(seq, token)
+                new += [token, *forced]
+            self.stats.generation_tokens += len(new)  # every output token, as usage
+            self._emit(seq, tuple(new), lp)
+            if not seq.is_finished and prediction.can_predict(seq):
+                room = min(seq.params.max_tokens - seq.num_output_tokens,
+                           self.config.max_model_len - len(seq)) - 1
+                seq.proposed = prediction.propose(seq, room)
+                seq.token_ids.extend(seq.proposed)
+
+    def _drop_draft(self, seq: Sequence) -> None:
+        """Takes a draft back unverified: the tokens leave the sequence, and the position
+        before them is computed again (with its logits) in the next step."""
+        del seq.token_ids[len(seq) - len(seq.proposed):]
+        seq.proposed = []
+        seq.num_computed_tokens = min(seq.num_computed_tokens, len(seq) - 1)
+
+    def _verify_draft(self, seq: Sequence, logits: torch.Tensor, before: int,
+                      sampled: int) -> tuple[list[int], int]:
+        """Keeps the draft tokens the model agrees with (up to a stop rule they meet); returns
+        them and the token that follows (the sampler's own when all are kept). Only the kept
+        ones' KV stays computed, and only their blocks enter the prefix cache."""
+        draft, seq.proposed = seq.proposed, []
+        agreed, replacement = prediction.verify(seq, logits, draft)
+        base = len(seq) - len(draft)
+        del seq.token_ids[base:]
+        kept: list[int] = []
+        for t in draft[:agreed]:
+            seq.token_ids.append(t)
+            kept.append(t)
+            self._check_stop(seq, t)
+            if seq.is_finished:
+                break
+        if not seq.is_finished:  # (a finished one's blocks are gone already)
+            seq.num_computed_tokens = len(seq)
+            self.blocks.commit_full_blocks(seq, before)
+        seq.accepted_prediction += len(kept)
+        seq.rejected_prediction += len(draft) - agreed
+        seq.prediction_pos += agreed + 1  # where the output is expected to go on in it
+        return kept, sampled if replacement is None else replacement
 
     def _end_masked_out(self, seq: Sequence) -> None:
         """Every token was masked for this row (say, a constraint whose next tokens the
@@ -482,8 +540,11 @@ class Engine:
         outbox.put(TokenBatch(
             seq.choice_index, tokens, None if lp is None else (lp,), seq.finish_reason,
             seq.stop_reason, seq.num_prompt_tokens, seq.num_cached_tokens if first else 0,
-            tuple(seq.prompt_logprobs) if first and seq.prompt_logprobs is not None else None),
+            tuple(seq.prompt_logprobs) if first and seq.prompt_logprobs is not None else None,
+            accepted_prediction_tokens=seq.accepted_prediction,
+            rejected_prediction_tokens=seq.rejected_prediction),
             urgent=first or seq.is_finished)
+        seq.accepted_prediction = seq.rejected_prediction = 0
         if seq.is_finished:
             self._finished_lengths[(seq.request_id, seq.choice_index)] = seq.num_output_tokens
             if len(self._finished_lengths) > FINISHED_LENGTHS_KEPT:

@@ -75,6 +75,8 @@ class GenerateRequest:
     deadline: float | None = None
     # who asked (an API key's digest or an address), for per-client limits such as compiles
     client: str | None = None
+    # the client's predicted output (Predicted Outputs), a draft the engine verifies
+    prediction: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,9 @@ class TokenBatch:
     num_cached_tokens: int = 0
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     replica: str | None = None  # on a request's first batch: the replica running it
+    # prediction tokens the engine checked since the previous batch: kept / thrown away
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 class EngineError(Exception):
@@ -152,6 +157,13 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     # replicas.sampler.RowTables: the request's lists as tensors, made on the first step
     sampling_tables: Any = None
+    # Predicted Outputs (replicas/prediction.py): the prediction, where the output is expected
+    # to resume it, and the draft tokens appended for the next step to verify
+    prediction: tuple[int, ...] = ()
+    prediction_pos: int = 0
+    proposed: list[int] = field(default_factory=list)
+    accepted_prediction: int = 0  # since the last batch
+    rejected_prediction: int = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -36,7 +36,7 @@ from serve_app.models import ModelRegistry, ServedModel, load_model
 from serve_app.preprocess import Preprocessor
 from serve_app.protocol import (ChatChoice, ChatCompletion, ChatCompletionChunk,
                                 ChatCompletionRequest, ChoiceLogprobs, ChunkChoice, Completion,
-                                CompletionChoice, CompletionRequest, Delta,
+                                CompletionChoice, CompletionRequest, CompletionTokensDetails, Delta,
                                 DeltaToolCall, DeltaToolCallFunction, DetokenizeRequest,
                                 ModelCard, ModelList, PromptTokensDetails, ResponseFunctionCall,
                                 ResponseMessage, ResponseToolCall, TokenizeRequest, Usage)
@@ -468,6 +468,7 @@ class Ingress:
             constraint = forced_tool[0]
         if constraint is not None:
             await self.pre.run(check_constraint_early, constraint)
+        predicted = await self.pre.run(sampling.prediction_ids, body, served.tokenizer, limits)
         rid = self._request_id("chatcmpl", body, request)
         n_gen = options.best_of or body.n
         in_think = served.has_think_tokens and _in_think(rendered.text)
@@ -476,7 +477,7 @@ class Ingress:
             constraint_after = served.tokenizer.convert_tokens_to_ids("</think>")
         gen = GenerateRequest(self._engine_key(rid), tuple(ids), params, constraint, n_gen, body.priority,
                               body.cache_salt, constraint_after, ticket.deadline,
-                              client_id(request))
+                              client_id(request), predicted)
         started = time.monotonic()
         generation = await self._start(served, gen)
         parse_tools = bool(body.tools) and body.tool_choice != "none"
@@ -489,7 +490,8 @@ class Ingress:
             return OutputParser(reasoning, body.include_reasoning, parse_tools,
                                 start_in_reasoning=in_think,
                                 parallel_tool_calls=body.parallel_tool_calls)
-        states = [ChoiceState(i, served.tokenizer, served.fast, options, parser(), token_text)
+        states = [ChoiceState(i, served.tokenizer, served.fast, options, parser(), token_text,
+                              predicted=body.prediction is not None)
                   for i in range(n_gen)]
         echo = ""
         # vLLM echoes the last message when its role is the response's role: the assistant's,
@@ -532,9 +534,15 @@ class Ingress:
     def _usage(states: list[ChoiceState], ids: list[int]) -> Usage:
         completion = sum(len(s.token_ids) for s in states)
         cached = max((s.num_cached_tokens for s in states), default=0)
+        details = None
+        if any(s.predicted for s in states):
+            details = CompletionTokensDetails(
+                accepted_prediction_tokens=sum(s.accepted_prediction_tokens for s in states),
+                rejected_prediction_tokens=sum(s.rejected_prediction_tokens for s in states))
         return Usage(prompt_tokens=len(ids), completion_tokens=completion,
                      total_tokens=len(ids) + completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+                     completion_tokens_details=details)
 
     @staticmethod
     def _best(states: list[ChoiceState], n: int,

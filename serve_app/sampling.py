@@ -188,9 +188,47 @@ UNSUPPORTED = {
     "inference_extra_params": "shardserve defines no extra inference parameters",
     "inference_extra_headers": "shardserve forwards no headers to a model backend",
     "mm_processor_kwargs": "the served model takes text only",
-    "prediction": "Predicted Outputs (a speculative draft) are not served yet; send the request "
-                  "without it",
 }
+
+
+def prediction_ids(request: ChatCompletionRequest, tokenizer: Any,
+                   limits: ServerLimits) -> tuple[int, ...]:
+    """OpenAI's Predicted Outputs: the prediction's tokens, the engine's speculative draft
+    (replicas/prediction.py). Refused, as OpenAI does, beside what the draft cannot serve: a
+    row whose tokens depend on more than its logits and sampling parameters."""
+    p = request.prediction
+    if not p:
+        return ()
+    content = p.get("content") if isinstance(p, dict) else None
+    if p.get("type") != "content" or content is None:
+        raise APIError('prediction must be {"type": "content", "content": <text or text parts>}',
+                       param="prediction")
+    if isinstance(content, list):
+        if not all(isinstance(c, dict) and c.get("type") == "text"
+                   and isinstance(c.get("text"), str) for c in content):
+            raise APIError("prediction content parts must be text parts", param="prediction")
+        content = "".join(c["text"] for c in content)
+    if not isinstance(content, str):
+        raise APIError("prediction content must be text", param="prediction")
+    clashes = [name for name, on in (
+        ("n", request.n > 1), ("best_of", (request.best_of or 1) > 1),
+        ("logprobs", bool(request.logprobs)), ("tools", bool(request.tools)),
+        ("presence_penalty", bool(request.presence_penalty)),
+        ("frequency_penalty", bool(request.frequency_penalty)),
+        ("repetition_penalty", request.repetition_penalty not in (None, 1.0)),
+        ("logit_bias", bool(request.logit_bias)), ("bad_words", bool(request.bad_words)),
+        ("allowed_token_ids", request.allowed_token_ids is not None),
+        ("stop_token_ids", bool(request.stop_token_ids)), ("min_tokens", bool(request.min_tokens)),
+        ("logits_processors", bool(request.logits_processors)),
+        ("an output constraint", constraint_of(request) is not None)) if on]
+    if clashes:
+        raise APIError(f"prediction cannot be combined with {', '.join(clashes)} (as OpenAI's "
+                       "Predicted Outputs)", param="prediction")
+    ids = tuple(tokenizer.encode(content, add_special_tokens=False))
+    if len(ids) > limits.max_model_len:
+        raise APIError(f"the prediction is {len(ids)} tokens; at most max_model_len "
+                       f"({limits.max_model_len})", param="prediction")
+    return ids
 
 
 def build(request: SamplingFields, *, prompt_len: int, limits: ServerLimits, tokenizer: Any,

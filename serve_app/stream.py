@@ -98,7 +98,7 @@ def _finite(x: float) -> float:
 
 class ChoiceState:
     def __init__(self, index: int, tokenizer: Any, fast_tokenizer: Any, options: OutputOptions,
-                 parser: OutputParser, token_text: TokenText) -> None:
+                 parser: OutputParser, token_text: TokenText, predicted: bool = False) -> None:
         self.index = index
         self.options = options
         self.detok = IncrementalDetokenizer(
@@ -124,6 +124,11 @@ class ChoiceState:
         self.content = ""
         self.reasoning = ""
         self.logprobs: list[LogprobEntry] = []
+        # Predicted Outputs: whether the request had a prediction, and the engine's counts of
+        # its tokens kept and thrown away
+        self.predicted = predicted
+        self.accepted_prediction_tokens = 0
+        self.rejected_prediction_tokens = 0
 
     @property
     def done(self) -> bool:
@@ -155,6 +160,11 @@ class ChoiceState:
             piece += self.detok.flush()
         self.token_ids.extend(ids)
         delta.token_ids = ids
+        self.rejected_prediction_tokens += batch.rejected_prediction_tokens
+        # kept prediction tokens past a stop string were never the client's
+        self.accepted_prediction_tokens = min(
+            self.accepted_prediction_tokens + batch.accepted_prediction_tokens,
+            len(self.token_ids))
         if logprobs is not None:
             for lp in logprobs:
                 self.cumulative_logprob += lp.logprob

@@ -287,3 +287,29 @@ async def test_prompt_logprobs_survive_preemption_and_are_computed_once_for_n() 
         assert [round(e.logprob, 4) for e in got[1:]] == [round(e.logprob, 4) for e in a[1:]]
     two = await run(999, prompts[0], n=2)
     assert two[0][0].prompt_logprobs is not None and two[1][0].prompt_logprobs is None
+
+
+async def test_a_prediction_changes_no_greedy_token_and_its_counts_add_up(
+        server: LLMServer) -> None:
+    """Predicted Outputs: greedy output with a prediction is the output without one, whether
+    the prediction is right, an edit of the output, or wrong; every verified prediction token
+    is counted as accepted or rejected, and a right one is mostly accepted in few steps."""
+    prompt = _prompts(1, seed=21)[0]
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    plain = _tokens((await _collect(server, GenerateRequest("pred-plain", prompt, params)))[0])
+    edited = plain[:20] + [7, 8, 9] + plain[23:50]
+    for name, guess in (("right", plain), ("edited", edited), ("wrong", list(range(50, 90)))):
+        steps = server.engine.stats.num_steps
+        got = (await _collect(server, GenerateRequest(f"pred-{name}", prompt, params,
+                                                      prediction=tuple(guess))))[0]
+        steps = server.engine.stats.num_steps - steps
+        assert _tokens(got) == plain, name
+        accepted = sum(b.accepted_prediction_tokens for b in got)
+        rejected = sum(b.rejected_prediction_tokens for b in got)
+        if name == "right":
+            assert accepted >= 56 and rejected <= 8 and steps < 30, (accepted, rejected, steps)
+        if name == "edited":
+            assert accepted >= 35, (accepted, rejected)
+        if name == "wrong":
+            assert accepted <= 4, (accepted, rejected)
+    assert server.engine.blocks.num_used_blocks == 0

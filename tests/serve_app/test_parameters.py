@@ -709,13 +709,60 @@ def test_user_and_unknown_fields_are_accepted(client: OpenAI) -> None:
 @pytest.mark.parametrize(("field", "value"), [
     ("vllm_xargs", {"a": 1}), ("kv_transfer_params", {"do_remote_prefill": True}),
     ("inference_extra_params", {"x": 1}), ("inference_extra_headers", {"x-y": "1"}),
-    ("mm_processor_kwargs", {"num_crops": 4}),
-    ("prediction", {"type": "content", "content": "draft"})])
+    ("mm_processor_kwargs", {"num_crops": 4})])
 def test_fields_shardserve_cannot_honour_are_refused(base_url: str, field: str,
                                                       value: object) -> None:
     """Never accepted and ignored: a 400 that names the field and says why."""
     err = error(base_url, **{field: value})
     assert err["param"] == field and "not supported" in err["message"]
+
+
+def test_predicted_outputs_change_no_greedy_text_and_count_the_draft(
+        base_url: str, client: OpenAI) -> None:
+    """`prediction` (OpenAI's Predicted Outputs) is a draft the model verifies: greedy text is
+    the same with a right, an edited or a wrong prediction, and usage says how much of it was
+    kept, streamed or not."""
+    body = {"messages": MESSAGES, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    plain = chat(base_url, **body)
+    text = message(plain)["content"]
+    assert plain["usage"].get("completion_tokens_details") is None
+    words = text.split(" ")
+    edited = " ".join(words[:3] + ["zebra"] + words[4:])
+    for guess in (text, edited, "Completely unrelated words about the weather."):
+        got = chat(base_url, prediction={"type": "content", "content": guess}, **body)
+        assert message(got)["content"] == text, guess
+        usage = got["usage"]
+        details = usage["completion_tokens_details"]
+        assert usage["completion_tokens"] == 40
+        assert 0 <= details["accepted_prediction_tokens"] <= 40
+        assert details["rejected_prediction_tokens"] >= 0
+        if guess == text:
+            # (fewer than 39: this random model's text has broken UTF-8 pieces, which tokenize
+            # differently from the tokens that made them)
+            assert details["accepted_prediction_tokens"] >= 20, details
+    stream = client.chat.completions.create(
+        model=MODEL, stream=True, stream_options={"include_usage": True},
+        prediction={"type": "content", "content": [{"type": "text", "text": text}]},
+        **{k: v for k, v in body.items() if k != "ignore_eos"}, extra_body={"ignore_eos": True})
+    parts, usage = [], None
+    for c in stream:
+        parts += [c.choices[0].delta.content or ""] if c.choices else []
+        usage = c.usage or usage
+    assert "".join(parts) == text
+    assert usage.completion_tokens_details.accepted_prediction_tokens >= 20
+
+
+@pytest.mark.parametrize(("extra", "says"), [
+    ({"prediction": {"type": "text", "content": "x"}}, '"type": "content"'),
+    ({"prediction": {"type": "content", "content": [{"type": "image_url"}]}}, "text parts"),
+    ({"prediction": {"type": "content", "content": "x"}, "n": 2}, "combined with n"),
+    ({"prediction": {"type": "content", "content": "x"}, "logprobs": True}, "logprobs"),
+    ({"prediction": {"type": "content", "content": "x"},
+      "response_format": {"type": "json_object"}}, "an output constraint")])
+def test_predictions_the_draft_cannot_serve_are_refused(base_url: str, extra: dict,
+                                                        says: str) -> None:
+    err = error(base_url, **extra)
+    assert err["param"] == "prediction" and says in err["message"], err
 
 
 def test_logits_processors_need_the_allowlist(base_url: str) -> None:
