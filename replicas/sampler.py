@@ -165,7 +165,7 @@ def _request_lists(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozense
         logits[rows, cols] = _NEG_INF
 
 
-def _top_k_top_p_min_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def top_k_top_p_min_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     vocab, dev = logits.shape[1], logits.device
     k = [s.params.top_k if 0 < s.params.top_k < vocab else vocab for s in seqs]
     p = [s.params.top_p for s in seqs]
@@ -235,7 +235,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int],
         greedy = torch.tensor([s.params.greedy for s in seqs], device=dev)
         temps = torch.tensor([s.params.temperature if not s.params.greedy else 1.0 for s in seqs],
                              device=dev)
-        scaled = _top_k_top_p_min_p(logits / temps.unsqueeze(1), seqs)
+        scaled = top_k_top_p_min_p(logits / temps.unsqueeze(1), seqs)
         probs = scaled.softmax(-1)
         # q ~ Exp(1) as -log(U): several times faster on CPU than Tensor.exponential_
         q = torch.rand_like(probs)

@@ -312,4 +312,12 @@ async def test_a_prediction_changes_no_greedy_token_and_its_counts_add_up(
             assert accepted >= 35, (accepted, rejected)
         if name == "wrong":
             assert accepted <= 4, (accepted, rejected)
+    # sampled rows verify by speculative sampling (its distribution: test_prediction.py); a
+    # seeded run is repeatable
+    warm = SamplingParams(max_tokens=64, temperature=0.01, seed=5, ignore_eos=True)
+    runs = [await _collect(server, GenerateRequest(f"pred-sampled-{i}", prompt, warm,
+                                                   prediction=tuple(plain))) for i in range(2)]
+    assert _tokens(runs[0][0]) == _tokens(runs[1][0]) and len(_tokens(runs[0][0])) == 64
+    assert sum(b.accepted_prediction_tokens + b.rejected_prediction_tokens
+               for b in runs[0][0]) > 0
     assert server.engine.blocks.num_used_blocks == 0
