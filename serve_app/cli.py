@@ -46,6 +46,13 @@ def _serve_parser(sub: Any) -> None:
                         "it waits at least running/budget s between messages (default 500 "
                         "where the model runs on GPUs, 50 on CPUs; 0: one message per token, "
                         "whatever the load)")
+    p.add_argument("--tool-call-parser",
+                   choices=["hermes", "qwen3_coder", "llama3_json", "mistral", "deepseek_v3"],
+                   help="how the model writes tool calls (default: detected from its chat "
+                        "template, else hermes)")
+    p.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1", "none"],
+                   help="how the model writes reasoning (default: detected from its chat "
+                        "template or <think> tokens; none: never split it out)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode steps (used on CUDA at tensor-parallel size 1)")
     p.add_argument("--no-prefix-caching", action="store_true")
@@ -89,7 +96,9 @@ def config_from_args(args: argparse.Namespace):
                   "block_size": args.block_size, "num_threads": args.num_threads,
                   "stream_interval": args.stream_interval,
                   "stream_messages_per_s": args.stream_messages_per_s,
-                  "enforce_eager": args.enforce_eager or None}
+                  "enforce_eager": args.enforce_eager or None,
+                  "tool_call_parser": args.tool_call_parser,
+                  "reasoning_parser": args.reasoning_parser}
     model = {k: v for k, v in model_keys.items() if v is not None}
     if args.no_prefix_caching:
         model["enable_prefix_caching"] = False

@@ -4,7 +4,7 @@ args of `serve run serve_config.yaml`. Pydantic with extra="forbid", so a typo i
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -65,6 +65,12 @@ class ModelConfig(BaseModel):
     # None: 500 on GPUs, 150 on CPUs)
     stream_messages_per_s: float | None = Field(None, ge=0)
     enforce_eager: bool = False
+    # the model family's tool-call and reasoning syntax (vLLM's --tool-call-parser and
+    # --reasoning-parser names); None: detected from the chat template (serve_app/tool_formats.py,
+    # serve_app/reasoning_formats.py); reasoning "none": the output is never split
+    tool_call_parser: Literal["hermes", "qwen3_coder", "llama3_json", "mistral",
+                              "deepseek_v3"] | None = None
+    reasoning_parser: Literal["qwen3", "deepseek_r1", "none"] | None = None
 
     @property
     def name(self) -> str:

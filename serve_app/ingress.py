@@ -10,6 +10,7 @@ replica by a message naming its last token (`Generation`)."""
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -26,7 +27,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from replicas.request import GenerateRequest, TokenBatch
 from replicas.status_board import BoardReader, app_name_here
-from serve_app import admission, chat, openapi, sampling, tool_choice
+from serve_app import admission, chat, openapi, reasoning_formats, sampling, tool_choice
 from serve_app.admission import Admission, Ticket
 from serve_app.auth import APIKeys, client_id, read_key_file, require_api_key
 from serve_app.config import AppConfig
@@ -71,12 +72,6 @@ def check_constraint_early(constraint: Constraint) -> None:
         check_constraint(constraint)
     except ConstraintError as exc:
         raise APIError(exc.message, param=exc.param) from None
-
-
-def _in_think(prompt: str) -> bool:
-    """The prompt leaves the assistant inside an open <think> block (a reasoning model)."""
-    turn = prompt[prompt.rfind("<|im_start|>"):] if "<|im_start|>" in prompt else prompt
-    return turn.rfind("<think>") > turn.rfind("</think>")
 
 
 def _json_depth(obj: Any, limit: int) -> bool:
@@ -460,18 +455,17 @@ class Ingress:
         constraint = sampling.constraint_of(body)
         if body.tool_choice not in (None, "none") and not body.tools:
             raise APIError("tool_choice needs tools", param="tool_choice")
-        forced_tool = tool_choice.tool_constraint(body)
+        forced_tool = tool_choice.tool_constraint(body, served.tool_format)
         if forced_tool is not None and constraint is not None:
             raise APIError("an output constraint cannot be combined with tool_choice "
                            "'required' or a named tool", param="tool_choice")
-        if forced_tool is not None:
-            constraint = forced_tool[0]
+        constraint = forced_tool or constraint
         if constraint is not None:
             await self.pre.run(check_constraint_early, constraint)
         predicted = await self.pre.run(sampling.prediction_ids, body, served.tokenizer, limits)
         rid = self._request_id("chatcmpl", body, request)
         n_gen = options.best_of or body.n
-        in_think = served.has_think_tokens and _in_think(rendered.text)
+        in_think = reasoning_formats.starts_in_reasoning(served.reasoning_format, rendered.text)
         constraint_after = None
         if constraint is not None and in_think:
             constraint_after = served.tokenizer.convert_tokens_to_ids("</think>")
@@ -480,16 +474,18 @@ class Ingress:
                               client_id(request), predicted)
         started = time.monotonic()
         generation = await self._start(served, gen)
-        parse_tools = bool(body.tools) and body.tool_choice != "none"
-        reasoning = served.has_think_tokens
+        tools = served.tool_format if body.tools and body.tool_choice != "none" else None
+        if tools is not None and tools.needs_special_tokens and any(
+                m in served.tokenizer.all_special_tokens for m in tools.opens):
+            # the family's marker is a special token: as vLLM, the text keeps special tokens
+            options = dataclasses.replace(options, skip_special_tokens=False)
+        schemas = {t.function.name: t.function.parameters or {} for t in body.tools or ()}
         token_text = TokenText(served.tokenizer, options.return_tokens_as_token_ids)
 
-        def parser() -> OutputParser | tool_choice.ToolJSONParser:
-            if forced_tool is not None:
-                return tool_choice.ToolJSONParser(forced_tool[1])
-            return OutputParser(reasoning, body.include_reasoning, parse_tools,
+        def parser() -> OutputParser:
+            return OutputParser(served.reasoning_format, body.include_reasoning, tools,
                                 start_in_reasoning=in_think,
-                                parallel_tool_calls=body.parallel_tool_calls)
+                                parallel_tool_calls=body.parallel_tool_calls, schemas=schemas)
         states = [ChoiceState(i, served.tokenizer, served.fast, options, parser(), token_text,
                               predicted=body.prediction is not None)
                   for i in range(n_gen)]
@@ -664,7 +660,7 @@ class Ingress:
         runs = []
         for ids, (_, options), generation in zip(prompts, built, starts):
             states = [ChoiceState(i, served.tokenizer, served.fast, options,
-                                  OutputParser(False, False, False), token_text)
+                                  OutputParser(None, False, None), token_text)
                       for i in range(options.best_of or body.n)]
             runs.append((ids, options, generation, states,
                          served.tokenizer.decode(ids) if options.echo else ""))

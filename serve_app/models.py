@@ -12,6 +12,7 @@ from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
 from replicas.model_files import resolve_model_path
+from serve_app import reasoning_formats, tool_formats
 from serve_app.config import ModelConfig
 from serve_app.errors import APIError
 
@@ -34,6 +35,23 @@ class ServedModel:
         # get_vocab() builds the whole dict: once per model, not once per request
         vocab = self.tokenizer.get_vocab()
         return "<think>" in vocab and "</think>" in vocab
+
+    @functools.cached_property
+    def tool_format(self) -> tool_formats.ToolFormat:
+        name = self.config.tool_call_parser
+        if name is not None:
+            return tool_formats.FORMATS[name]
+        return tool_formats.detect(getattr(self.tokenizer, "chat_template", None))
+
+    @functools.cached_property
+    def reasoning_format(self) -> reasoning_formats.ReasoningFormat | None:
+        name = self.config.reasoning_parser
+        if name == "none":
+            return None
+        if name is not None:
+            return reasoning_formats.FORMATS[name]
+        return reasoning_formats.detect(getattr(self.tokenizer, "chat_template", None),
+                                        self.has_think_tokens)
 
     async def ensure_info(self) -> dict[str, Any]:
         if self.info is None:

@@ -15,7 +15,15 @@ from replicas.model_files import resolve_model_path
 from replicas.request import TokenBatch, TokenLogprob
 from serve_app.sampling import OutputOptions
 from serve_app.stream import ChoiceState, TokenText
+from serve_app.reasoning_formats import FORMATS as REASONING
+from serve_app.tool_formats import FORMATS as TOOLS
 from serve_app.tool_parser import OutputParser
+
+QWEN3, HERMES = REASONING["qwen3"], TOOLS["hermes"]
+
+
+def hermes_parser(reasoning: bool, include: bool, tools: bool, **kw) -> OutputParser:
+    return OutputParser(QWEN3 if reasoning else None, include, HERMES if tools else None, **kw)
 
 IM_END = 3993
 
@@ -44,7 +52,7 @@ TEXTS = [
 
 def parse(pieces: list[str], reasoning: bool = True, include: bool = True,
           tools: bool = True) -> tuple[str, str, list[tuple[str, dict]]]:
-    p = OutputParser(reasoning, include, tools)
+    p = hermes_parser(reasoning, include, tools)
     content, thinking, calls = "", "", []
     for piece in pieces:
         d = p.feed(piece)
@@ -71,7 +79,7 @@ def test_any_split_parses_like_one_piece(text: str) -> None:
 def test_an_answer_of_whitespace_streams_before_it_ends() -> None:
     # a model that only writes newlines: once they are more than could precede <think>, they are
     # content, streamed as they come rather than all at the end
-    p = OutputParser(True, True, False)
+    p = hermes_parser(True, True, False)
     streamed = "".join(p.feed("\n").content for _ in range(20))
     assert streamed == "\n" * 20
     # a few newlines and then <think> still open reasoning, however split
@@ -91,7 +99,7 @@ def test_two_calls_and_the_parameters_alias() -> None:
 
 
 def test_without_parallel_tool_calls_only_the_first_call_is_returned() -> None:
-    p = OutputParser(False, False, True, parallel_tool_calls=False)
+    p = hermes_parser(False, False, True, parallel_tool_calls=False)
     out = p.feed(TWO_CALLS)
     tail = p.flush()
     assert [c.name for c in out.tool_calls + tail.tool_calls] == ["a"]
@@ -100,7 +108,7 @@ def test_without_parallel_tool_calls_only_the_first_call_is_returned() -> None:
 
 
 def test_string_arguments_are_kept_as_they_are() -> None:
-    p = OutputParser(False, False, True)
+    p = hermes_parser(False, False, True)
     d = p.feed('<tool_call>{"name": "s", "arguments": "{\\"q\\": 1}"}</tool_call>')
     assert [(c.name, c.arguments) for c in d.tool_calls] == [("s", '{"q": 1}')]
 
@@ -119,7 +127,7 @@ def test_unterminated_blocks_at_the_end() -> None:
     assert parse(['<tool_call>{"name": "late", "arguments": {"k": "v"}}']) == (
         "", "", [("late", {"k": "v"})])
     text = "<tool_call>{\"name\": \"broken\", "
-    assert parse([text]) == (text + "</tool_call>", "", [])
+    assert parse([text]) == (text, "", [])  # shown as written, no close tag added
 
 
 def test_reasoning_and_tool_calls_together() -> None:
@@ -149,7 +157,7 @@ def test_think_only_counts_at_the_start() -> None:
 
 
 def test_a_parser_started_inside_reasoning() -> None:
-    p = OutputParser(True, True, False, start_in_reasoning=True)
+    p = hermes_parser(True, True, False, start_in_reasoning=True)
     d = p.feed("prefilled think</think>\nanswer")
     assert (d.reasoning, d.content) == ("prefilled think", "answer")
 
@@ -164,7 +172,7 @@ def state(tokenizer, parse_tools: bool = True, reasoning: bool = True, include: 
           **options) -> ChoiceState:
     opts = OutputOptions(**options)
     return ChoiceState(0, tokenizer, tokenizer.backend_tokenizer, opts,
-                       OutputParser(reasoning, include, parse_tools),
+                       hermes_parser(reasoning, include, parse_tools),
                        TokenText(tokenizer, opts.return_tokens_as_token_ids))
 
 
