@@ -283,7 +283,8 @@ class SamplingFields(_Request):
     logits_processors: Annotated[list[str | dict[str, Any]] | None,
                                  at_most(MAX_LOGITS_PROCESSORS, "logits processors")] = None
     priority: int = 0
-    request_id: str | None = Field(None, min_length=1, max_length=256)
+    # echoed in the X-Request-Id header: visible ASCII only (a header cannot carry the rest)
+    request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")
     cache_salt: str | None = None
     user: str | None = None
     vllm_xargs: dict[str, Any] | None = None

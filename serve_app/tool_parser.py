@@ -150,8 +150,9 @@ class OutputParser:
                     if marker is not None:
                         self._open_section(marker, stripped)  # (the whitespace goes)
                         continue
-                    if not final and (not stripped or any(m.startswith(stripped)
-                                                          for m in markers)):
+                    leading = len(self.buf) - len(stripped)
+                    if not final and leading <= MAX_LEADING_WHITESPACE and (
+                            not stripped or any(m.startswith(stripped) for m in markers)):
                         return  # could still become a marker
                     self._emit_content(out, self.buf)
                     self.buf = ""

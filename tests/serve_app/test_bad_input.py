@@ -208,6 +208,7 @@ CASES = [
     chat_case("modalities-audio", {"modalities": ["text", "audio"]}, "modalities"),
     chat_case("audio-output", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     chat_case("request_id-empty", {"request_id": ""}, "request_id"),
+    chat_case("request_id-not-header-safe", {"request_id": "id\u00e9\U0001f600"}, "request_id"),
     chat_case("inference_timeout-zero", {"inference_timeout": 0}, "inference_timeout"),
     chat_case("unknown-model", {"model": "no-such-model"}, "model", status=404),
     # ---- bodies that are not a valid request at all
