@@ -1,4 +1,5 @@
-"""`bench engine`: offline throughput of the engine alone (no HTTP, no Ray Serve), in the shape of
+"""`bench engine`: offline throughput of the engine alone (no HTTP, no Ray Serve, its core on this
+process's event loop rather than in a process of its own), in the shape of
 nano-vllm's bench (sequences with input and output lengths uniform in a range, seed 0,
 ignore_eos), plus two yardsticks measured in the same run on the same weights:
 
@@ -50,7 +51,7 @@ def roofline_step_s(server: LLMServer, batch: int, repeats: int = 5) -> float:
     import torch
 
     from replicas.models.parallel import LINEARS
-    model = server.engine.executor.worker.runner.model  # type: ignore[attr-defined]
+    model = server.core.engine.executor.worker.runner.model  # type: ignore[attr-defined]
     # the layers' own weights may be packed for the native kernel: torch multiplies copies
     # of their logical shape
     linears = [m for m in model.modules() if isinstance(m, LINEARS)]
@@ -77,7 +78,7 @@ def prompt_forward_s(server: LLMServer, prompt_len: int, repeats: int = 5) -> fl
     prompt, on the engine's compute thread, straight to the executor: no scheduler, no queue."""
     from replicas.model_runner import RowInput, StepInput
 
-    engine = server.engine
+    engine = server.core.engine
     block = engine.blocks.block_size
     # any blocks do: the run is over and this server is not used for anything else after
     table = tuple(range(-(-prompt_len // block)))
@@ -117,16 +118,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     server = LLMServer(ReplicaConfig(
         model=args.model, max_model_len=max_len, dtype=args.dtype,
         kv_cache_gib=args.kv_cache_gib, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.num_threads))
+        max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.num_threads),
+        in_process=True)
     vocab = min(server.vocab_size, 3900)
     reqs = [GenerateRequest(f"b{k}", tuple(rng.randrange(10, vocab) for _ in range(i)),
                             SamplingParams(max_tokens=o, temperature=0.6, ignore_eos=True))
             for k, (i, o) in enumerate(lens)]
     asyncio.run(_run(server, [GenerateRequest("warm", (11, 12, 13), SamplingParams(
         max_tokens=4, ignore_eos=True))]))
-    before = dataclasses.replace(server.engine.stats)
+    before = dataclasses.replace(server.core.engine.stats)
     elapsed = asyncio.run(_run(server, reqs))
-    stats = server.engine.stats
+    stats = server.core.engine.stats
     out_tokens = sum(o for _, o in lens)
     in_tokens = sum(i for i, _ in lens)
     batch = min(n, args.max_num_seqs)
@@ -134,7 +136,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     single = roofline_step_s(server, 1)
     forward = prompt_forward_s(server, round(in_tokens / n))
     result = {
-        "model": args.model, "dtype": server.dtype, "num_seqs": n,
+        "model": args.model, "dtype": server.info()["dtype"], "num_seqs": n,
         "input_tokens": in_tokens, "output_tokens": out_tokens, "elapsed_s": elapsed,
         "output_tokens_per_s": out_tokens / elapsed,
         "total_tokens_per_s": (in_tokens + out_tokens) / elapsed,
@@ -152,7 +154,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "prompt_forward_ms": forward * 1e3, "prompt_forward_len": round(in_tokens / n),
         "threads": torch.get_num_threads(),
         "device": torch_device_name(
-            server.engine.executor.worker.runner.device),  # type: ignore[attr-defined]
+            server.core.engine.executor.worker.runner.device),  # type: ignore[attr-defined]
     }
     result["fraction_of_roofline"] = result["output_tokens_per_s"] / result[
         "roofline_decode_tokens_per_s"]

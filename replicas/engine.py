@@ -2,8 +2,11 @@
 
 Requests join between steps and leave the moment they finish. Each step: schedule under the token
 budget, run one batched forward (off the event loop, so new requests and outputs keep flowing), sample
-the rows whose last token is new, apply stop rules, and push each choice's new tokens to its
-request's outbox as a `TokenBatch`. Knows nothing of text: token ids in, token ids out."""
+the rows whose last token is new, apply stop rules, and hand every choice's new tokens, as
+`TokenBatch`es, and every failed request's error to `on_outputs` in one call per step (the engine
+core sends them to the replica as one message). A failure in one row's own work (its logits
+processors, its constraint guide, its sampling tables) fails that row's request only. Knows
+nothing of text: token ids in, token ids out."""
 
 from __future__ import annotations
 
@@ -25,7 +28,6 @@ from replicas.executor import Executor
 from structured import bitmask as bitmask_lib
 from replicas.kv_cache import BlockManager
 from replicas.model_runner import RowInput, StepInput, StepOutput
-from replicas.outbox import Outbox
 from replicas.request import (EngineError, GenerateRequest, Sequence, SequenceStatus, TokenBatch,
                               TokenLogprob)
 from replicas.sampler import SamplerOutput, compute_logprobs, sample
@@ -34,6 +36,10 @@ from replicas.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 logger = logging.getLogger(__name__)
 
 FINISHED_LENGTHS_KEPT = 4096  # choices whose output length a late stop_choice may need
+
+# what a step hands on: each choice's new tokens, and each failed request's error
+Outputs = list[tuple[str, TokenBatch]]
+Errors = list[tuple[str, BaseException]]
 
 
 def compute_thread() -> concurrent.futures.ThreadPoolExecutor:
@@ -52,6 +58,8 @@ class EngineConfig:
     priority_scheduling: bool = False
     # ids at and above this are padding rows of the embedding (no token): never sampled
     sampleable_vocab: int | None = None
+    # a step running longer than this means the engine is wedged (health turns red)
+    step_stall_s: float = 120.0
 
 
 @dataclass
@@ -70,8 +78,11 @@ class EngineStats:
     rejected_queue_wait: int = 0
 
 
-# a step running longer than this means the engine is wedged (health turns red)
-STEP_STALL_S = 120.0
+def _internal_error(what: str, exc: Exception) -> EngineError:
+    return EngineError(f"the request failed in its {what}: {type(exc).__name__}: {exc}",
+                       status=500, type_="InternalServerError")
+
+
 RETRY_AFTER_S = 1  # what a 503 for overload tells clients to wait
 
 
@@ -97,7 +108,12 @@ class Engine:
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
         self._requests: dict[str, list[Sequence]] = {}
-        self._outboxes: dict[str, Outbox] = {}
+        # gathered during a step, handed to on_outputs once at its end
+        self.on_outputs: Callable[[Outputs, Errors], None] = lambda outputs, errors: None
+        self._outputs: Outputs = []
+        self._errors: Errors = []
+        # seq id -> the error its row's own work raised this step (its request fails)
+        self._row_errors: dict[int, EngineError] = {}
         self._aborted: set[str] = set()
         # (request id, choice, output tokens kept): choices the ingress ended at a stop string
         self._stops: list[tuple[str, int, int]] = []
@@ -114,8 +130,9 @@ class Engine:
         self.failed: str | None = None  # set when a step fails: the shards may be gone
 
     # ---- requests in and out -------------------------------------------------------------------
-    def add(self, request: GenerateRequest, compiled: Any = None) -> Outbox:
-        """Queues a request; `compiled` (a structured.compiler.Compiled) when it is constrained."""
+    def add(self, request: GenerateRequest, compiled: Any = None) -> None:
+        """Queues a request; `compiled` (a structured.compiler.Compiled) when it is constrained.
+        Raises EngineError when it cannot be queued (nothing of it is then kept)."""
         if self.failed is not None:
             raise EngineError(f"the model replica failed and is being replaced: {self.failed}",
                               status=503, type_="ServiceUnavailableError",
@@ -157,14 +174,12 @@ class Engine:
                 seq.guide_active = request.constraint_after is None
                 seq.constraint_after = request.constraint_after
             seqs.append(seq)
+        for seq in seqs:
             self.scheduler.add(seq)
-        outbox = Outbox()
         self._requests[request.request_id] = seqs
-        self._outboxes[request.request_id] = outbox
         if request.deadline is not None:
             self._deadlines[request.request_id] = now + (request.deadline - time.time())
         self._wakeup.set()
-        return outbox
 
     def _build_processors(self, request: GenerateRequest) -> list[Any]:
         out = []
@@ -242,6 +257,7 @@ class Engine:
                             type_="ServiceUnavailableError", retry_after=RETRY_AFTER_S)
         for request_id in list(self._requests):
             self._fail(request_id, error)
+        self._flush()
 
     def health(self) -> dict[str, Any]:
         """The truth for /health: the loop is alive, and no step has run for too long."""
@@ -250,7 +266,7 @@ class Engine:
                     if self._step_started is not None else 0.0)
         return {"failed": self.failed,
                 "loop_alive": task is None or not task.done(),
-                "step_running_s": step_for, "stalled": step_for > STEP_STALL_S,
+                "step_running_s": step_for, "stalled": step_for > self.config.step_stall_s,
                 "since_last_step_s": time.monotonic() - self.last_step_end}
 
     def _expire_waiting(self) -> None:
@@ -266,12 +282,19 @@ class Engine:
                 "limit; retry later", status=503, type_="ServiceUnavailableError",
                 retry_after=RETRY_AFTER_S))
 
+    def _flush(self) -> None:
+        if self._outputs or self._errors:
+            outputs, errors, self._outputs, self._errors = self._outputs, self._errors, [], []
+            self.on_outputs(outputs, errors)
+
     async def _run(self) -> None:
         while True:
+            self._flush()
             self._apply_stops()
             self._reap_aborted()
             self._expire_waiting()
             if not self.scheduler.has_work():
+                self._flush()
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
@@ -303,6 +326,7 @@ class Engine:
                 self._postprocess(scheduled, out, sampling, result)
             except Exception as exc:
                 self._step_started = None
+                self._row_errors.clear()
                 logger.exception("engine step failed")
                 await self._on_step_failure(exc, scheduled)
 
@@ -325,17 +349,19 @@ class Engine:
         for request_id in self._aborted:
             for seq in self._requests.pop(request_id, []):
                 self.scheduler.remove(seq)
-            self._outboxes.pop(request_id, None)
             self._deadlines.pop(request_id, None)
         self._aborted.clear()
 
     def _fail(self, request_id: str, exc: BaseException) -> None:
         self._deadlines.pop(request_id, None)
-        outbox = self._outboxes.pop(request_id, None)
-        for seq in self._requests.pop(request_id, []):
-            self.scheduler.remove(seq)
-        if outbox is not None:
-            outbox.put(exc)
+        seqs = self._requests.pop(request_id, None)
+        if seqs is None:
+            return
+        for seq in seqs:
+            if not seq.is_finished:
+                seq.status = SequenceStatus.FINISHED
+                self.scheduler.remove(seq)
+        self._errors.append((request_id, exc))
 
     def _step_input(self, scheduled: list[ScheduledSeq]) -> StepInput:
         rows = []
@@ -374,13 +400,20 @@ class Engine:
         return out, sample(out.logits, sampling, self.eos_ids, apply)
 
     def _fill_masks(self, sampling: list[Sequence]) -> tuple[torch.Tensor, list[int]] | None:
+        """A guide that fails here fails its own request (`_row_errors`), not the step."""
         rows = [i for i, seq in enumerate(sampling) if seq.guide is not None and seq.guide_active]
         if not rows:
             return None
         bitmask = bitmask_lib.allocate(len(sampling), sampling[rows[0]].guide.vocab.size)
+        filled = []
         for i in rows:
-            sampling[i].guide.fill_bitmask(bitmask, i)
-        return bitmask, rows
+            try:
+                sampling[i].guide.fill_bitmask(bitmask, i)
+                filled.append(i)
+            except Exception as exc:
+                logger.exception("constraint guide failed for %s", sampling[i].request_id)
+                self._row_errors[sampling[i].seq_id] = _internal_error("output constraint", exc)
+        return (bitmask, filled) if filled else None
 
     def _postprocess(self, scheduled: list[ScheduledSeq], out: StepOutput,
                      sampling: list[Sequence], result: SamplerOutput | None) -> None:
@@ -412,25 +445,40 @@ class Engine:
         for row, (seq, token, lp) in enumerate(zip(sampling, result.token_ids, result.logprobs)):
             if seq.request_id in self._aborted or seq.is_finished or seq.seq_id in dropped:
                 continue
+            error = self._row_errors.pop(seq.seq_id, None)
+            if row in result.failed:
+                error = EngineError(result.failed[row], param="logits_processors")
+            if error is not None:
+                self._fail(seq.request_id, error)
+                continue
             if row in result.masked_out:
                 self._end_masked_out(seq)
                 continue
-            kept: list[int] = []
-            if seq.seq_id in drafts:
-                kept, token = self._verify_draft(seq, *drafts[seq.seq_id], token)
-            new = list(kept)
-            if not seq.is_finished:
-                seq.token_ids.append(token)
-                forced = self._advance_guide(seq, token) if seq.guide is not None else []
-                self._check_stop(seq, token)
-                new += [token, *forced]
-            self.stats.generation_tokens += len(new)  # every output token, as usage
-            self._emit(seq, tuple(new), lp)
-            if not seq.is_finished and prediction.can_predict(seq):
-                room = min(seq.params.max_tokens - seq.num_output_tokens,
-                           self.config.max_model_len - len(seq)) - 1
-                seq.proposed = prediction.propose(seq, room)
-                seq.token_ids.extend(seq.proposed)
+            try:
+                self._take_sampled(seq, token, lp, drafts)
+            except Exception as exc:  # this row's guide or draft: its request fails, not the step
+                logger.exception("sampled token of %s failed", seq.request_id)
+                self._fail(seq.request_id, _internal_error("sampled token", exc))
+        self._row_errors.clear()
+
+    def _take_sampled(self, seq: Sequence, token: int, lp: TokenLogprob | None,
+                      drafts: dict[int, tuple[torch.Tensor, int]]) -> None:
+        kept: list[int] = []
+        if seq.seq_id in drafts:
+            kept, token = self._verify_draft(seq, *drafts[seq.seq_id], token)
+        new = list(kept)
+        if not seq.is_finished:
+            seq.token_ids.append(token)
+            forced = self._advance_guide(seq, token) if seq.guide is not None else []
+            self._check_stop(seq, token)
+            new += [token, *forced]
+        self.stats.generation_tokens += len(new)  # every output token, as usage
+        self._emit(seq, tuple(new), lp)
+        if not seq.is_finished and prediction.can_predict(seq):
+            room = min(seq.params.max_tokens - seq.num_output_tokens,
+                       self.config.max_model_len - len(seq)) - 1
+            seq.proposed = prediction.propose(seq, room)
+            seq.token_ids.extend(seq.proposed)
 
     def _drop_draft(self, seq: Sequence) -> None:
         """Takes a draft back unverified: the tokens leave the sequence, and the position
@@ -533,17 +581,15 @@ class Engine:
             self.scheduler.remove(seq)
 
     def _emit(self, seq: Sequence, tokens: tuple[int, ...], lp: TokenLogprob | None) -> None:
-        outbox = self._outboxes.get(seq.request_id)
-        if outbox is None:
+        if seq.request_id not in self._requests:
             return
         first = seq.num_output_tokens == len(tokens)
-        outbox.put(TokenBatch(
+        self._outputs.append((seq.request_id, TokenBatch(
             seq.choice_index, tokens, None if lp is None else (lp,), seq.finish_reason,
             seq.stop_reason, seq.num_prompt_tokens, seq.num_cached_tokens if first else 0,
             tuple(seq.prompt_logprobs) if first and seq.prompt_logprobs is not None else None,
             accepted_prediction_tokens=seq.accepted_prediction,
-            rejected_prediction_tokens=seq.rejected_prediction),
-            urgent=first or seq.is_finished)
+            rejected_prediction_tokens=seq.rejected_prediction)))
         seq.accepted_prediction = seq.rejected_prediction = 0
         if seq.is_finished:
             self._finished_lengths[(seq.request_id, seq.choice_index)] = seq.num_output_tokens
@@ -552,5 +598,4 @@ class Engine:
             seqs = self._requests.get(seq.request_id, [])
             if all(s.is_finished for s in seqs):
                 self._requests.pop(seq.request_id, None)
-                self._outboxes.pop(seq.request_id, None)
                 self._deadlines.pop(seq.request_id, None)

@@ -8,7 +8,8 @@ import socket
 from typing import Protocol
 
 import ray
-from ray.util.placement_group import get_current_placement_group
+from ray._raylet import PlacementGroupID
+from ray.util.placement_group import PlacementGroup, get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from replicas.model_runner import StepInput, StepOutput
@@ -56,8 +57,12 @@ class RayExecutor:
     itself); child actors are not captured by the group implicitly, so each is placed by index."""
 
     def __init__(self, config: WorkerConfig, num_cpus_per_worker: float,
-                 num_gpus_per_worker: float, name_prefix: str | None = None) -> None:
-        pg = get_current_placement_group()
+                 num_gpus_per_worker: float, name_prefix: str | None = None,
+                 placement_group_id: bytes | None = None) -> None:
+        """`placement_group_id`: the replica's group, when this runs in its engine-core process
+        (a Ray driver of its own, outside the group)."""
+        pg = (PlacementGroup(PlacementGroupID(placement_group_id))
+              if placement_group_id is not None else get_current_placement_group())
         host = ray.util.get_node_ip_address()
         dist_init = f"tcp://{host}:{_free_port()}"
         actor = ray.remote(ShardWorker)

@@ -1,8 +1,9 @@
-"""Outbox: one request's outputs between the engine's step loop and the replica's `generate`.
+"""Outbox: one request's outputs between the engine core's step messages and the replica's
+`generate`.
 
-The engine appends every step's `TokenBatch`es; the consumer is woken only when a message is due:
-an urgent item (a choice's first token, its finish, an error), or, once its hold time has passed,
-enough tokens of one choice. A held request thus costs the step loop a list append, not a
+Each step message from the core appends that request's `TokenBatch`es; the consumer is woken only
+when a message is due: an urgent item (a choice's first batch, its finish, an error), or, once its
+hold time has passed, enough tokens of one choice. A held request thus costs the step loop a list append, not a
 coroutine wake-up: with hundreds of streams, waking every consumer every step took more of the
 replica's GIL than the step itself. Holds end at the request's next output, not by a timer."""
 
@@ -15,23 +16,25 @@ from replicas.request import TokenBatch
 
 
 class Outbox:
-    __slots__ = ("_counts", "_items", "_urgent", "_waiter", "hold_until", "min_tokens")
+    __slots__ = ("_counts", "_items", "_seen", "_urgent", "_waiter", "hold_until", "min_tokens")
 
     def __init__(self) -> None:
         self.hold_until = 0.0  # time.monotonic() before which non-urgent items wait
         self.min_tokens = 1  # tokens one choice gathers before a non-urgent message
         self._items: list[TokenBatch | BaseException] = []
         self._counts: dict[int, int] = {}  # choice -> tokens waiting
+        self._seen: set[int] = set()  # choices that have had a batch
         self._urgent = False
         self._waiter: asyncio.Future[None] | None = None
 
-    def put(self, item: TokenBatch | BaseException, urgent: bool = False) -> None:
+    def put(self, item: TokenBatch | BaseException) -> None:
         self._items.append(item)
+        urgent = True
         if isinstance(item, TokenBatch):
-            self._counts[item.choice_index] = (self._counts.get(item.choice_index, 0)
-                                               + len(item.token_ids))
-        else:
-            urgent = True
+            choice = item.choice_index
+            self._counts[choice] = self._counts.get(choice, 0) + len(item.token_ids)
+            urgent = item.finish_reason is not None or choice not in self._seen
+            self._seen.add(choice)
         self._urgent = self._urgent or urgent
         waiter = self._waiter
         if waiter is not None and not waiter.done() and self._due():

@@ -16,7 +16,7 @@ a step syncs with the device once, for the chosen tokens."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,9 @@ class SamplerOutput:
     # rows whose every token the constraint, the request's lists or its logits processors
     # masked: nothing can be sampled there (their token_ids entry means nothing)
     masked_out: frozenset[int] = frozenset()
+    # row -> why its own work failed (a logits processor raised or returned a wrong row): that
+    # row's request fails, the others' tokens stand
+    failed: dict[int, str] = field(default_factory=dict)
 
 
 def _token_counts(rows: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -143,13 +146,18 @@ def tables_of(s: Sequence, eos_ids: frozenset[int], vocab: int,
     return s.sampling_tables
 
 
-def _request_lists(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int]) -> None:
+def _request_lists(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int],
+                   failed: dict[int, str]) -> None:
     """allowed_token_ids, bad words, min_tokens' bans of EOS and stop_token_ids, logit_bias."""
     vocab, dev = logits.shape[1], logits.device
     rows: list[int] = []
     cols: list[int] = []
     for i, s in enumerate(seqs):
-        t = tables_of(s, eos_ids, vocab, dev)
+        try:
+            t = tables_of(s, eos_ids, vocab, dev)
+        except Exception as exc:  # (say, a token id past this model's vocabulary)
+            failed[i] = f"the request's token lists cannot apply: {type(exc).__name__}: {exc}"
+            continue
         if t.empty:
             continue
         row = logits[i]
@@ -215,10 +223,11 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int],
     raw_logprobs = logits.log_softmax(-1) if any(want_logprobs) else None
     if bitmask_fn is not None:
         bitmask_fn(logits)
-    _request_lists(logits, seqs, eos_ids)
+    failed: dict[int, str] = {}
+    _request_lists(logits, seqs, eos_ids, failed)
     for i, s in enumerate(seqs):
-        for processor in s.logits_processors:
-            logits[i] = processor(s.output_token_ids, logits[i])
+        if s.logits_processors:
+            _run_processors(logits, i, s, failed)
     masked_out: frozenset[int] = frozenset()
     if bitmask_fn is not None or any(s.sampling_tables is not None and not s.sampling_tables.empty
                                      or s.logits_processors for s in seqs):
@@ -255,4 +264,21 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int],
                                     [seqs[i].params.logprobs or 0 for i in rows])
         for i, lp in zip(rows, computed):
             logprobs[i] = lp
-    return SamplerOutput(tokens.tolist(), logprobs, masked_out)
+    return SamplerOutput(tokens.tolist(), logprobs, masked_out - failed.keys(), failed)
+
+
+def _run_processors(logits: torch.Tensor, i: int, s: Sequence, failed: dict[int, str]) -> None:
+    """A processor that raises or returns something other than a row of logits fails its own
+    request: its row is neutralised so the batch samples on, and `failed` says why."""
+    for processor in s.logits_processors:
+        name = getattr(processor, "__name__", type(processor).__name__)
+        try:
+            row = processor(s.output_token_ids, logits[i])
+            if not isinstance(row, torch.Tensor) or row.shape != logits[i].shape:
+                raise TypeError(f"it returned {type(row).__name__}, not a tensor of shape "
+                                f"{tuple(logits[i].shape)}")
+            logits[i] = row
+        except Exception as exc:
+            failed[i] = f"logits processor {name} failed: {type(exc).__name__}: {exc}"
+            logits[i] = 0.0
+            return

@@ -55,6 +55,9 @@ def _serve_parser(sub: Any) -> None:
                         "template or <think> tokens; none: never split it out)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode steps (used on CUDA at tensor-parallel size 1)")
+    p.add_argument("--step-timeout-s", type=float,
+                   help="an engine step running this long is taken as hung: the replica kills "
+                        "and restarts its engine core (default 120)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--priority-scheduling", action="store_true")
     p.add_argument("--api-key", action="append",
@@ -97,6 +100,7 @@ def config_from_args(args: argparse.Namespace):
                   "stream_interval": args.stream_interval,
                   "stream_messages_per_s": args.stream_messages_per_s,
                   "enforce_eager": args.enforce_eager or None,
+                  "step_timeout_s": args.step_timeout_s,
                   "tool_call_parser": args.tool_call_parser,
                   "reasoning_parser": args.reasoning_parser}
     model = {k: v for k, v in model_keys.items() if v is not None}

@@ -62,9 +62,12 @@ class ModelConfig(BaseModel):
     # tokens per streamed message after the first (vLLM's --stream-interval); 1: every token
     stream_interval: int = Field(1, ge=1)
     # the replica's streamed messages per second, shared by its running requests (0: no limit;
-    # None: 500 on GPUs, 150 on CPUs)
+    # None: 500 on GPUs, 50 on CPUs)
     stream_messages_per_s: float | None = Field(None, ge=0)
     enforce_eager: bool = False
+    # the replica kills and restarts its engine core when a step runs this long (a hung
+    # forward); raise it for huge prefill chunks on slow CPUs
+    step_timeout_s: float = Field(120.0, gt=0)
     # the model family's tool-call and reasoning syntax (vLLM's --tool-call-parser and
     # --reasoning-parser names); None: detected from the chat template (serve_app/tool_formats.py,
     # serve_app/reasoning_formats.py); reasoning "none": the output is never split
@@ -96,7 +99,7 @@ class ModelConfig(BaseModel):
             logits_processors=tuple(logits_processors or ()),
             structured_timeout_s=self.structured_timeout_s, stream_interval=self.stream_interval,
             stream_messages_per_s=self.stream_messages_per_s,
-            enforce_eager=self.enforce_eager,
+            enforce_eager=self.enforce_eager, step_timeout_s=self.step_timeout_s,
             model=self.model, max_model_len=self.max_model_len, dtype=self.dtype,
             tensor_parallel_size=self.tensor_parallel_size, block_size=self.block_size,
             kv_cache_gib=self.kv_cache_gib, max_num_seqs=self.max_num_seqs,

@@ -1,10 +1,12 @@
-"""The engine alone (no Ray): continuous batching gives each request exactly what it gets alone,
-blocks come back after finishing and after aborts, stop rules and seeds hold."""
+"""The engine (no Ray), its core in a process of its own as in a replica: continuous batching
+gives each request exactly what it gets alone, blocks come back after finishing and after aborts,
+stop rules and seeds hold, and one row's failure fails only its request."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import random
 
 import pytest
@@ -16,14 +18,38 @@ from replicas.request import EngineError, GenerateRequest, SamplingParams
 
 
 NGRAM = "replicas.logits_processors:NoRepeatNGram"
+FAILS = "tests.replicas.processors:FailsAfter"
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
 @pytest.fixture(scope="module")
 def server() -> LLMServer:
-    return LLMServer(ReplicaConfig(model=EMBEDDED_MODEL_ID, max_model_len=512, kv_cache_gib=0.05,
-                                   max_num_seqs=32, max_num_batched_tokens=256, block_size=8,
-                                   logits_processors=(NGRAM,)))
+    server = LLMServer(ReplicaConfig(model=EMBEDDED_MODEL_ID, max_model_len=512,
+                                     kv_cache_gib=0.05, max_num_seqs=32,
+                                     max_num_batched_tokens=256, block_size=8,
+                                     logits_processors=(NGRAM, FAILS)))
+    yield server
+    server.close()
+
+
+async def _settled(server: LLMServer) -> dict:
+    """The core's counters once nothing runs (aborts are applied between steps)."""
+    for _ in range(100):
+        stats = await server.fresh_stats()
+        if stats["num_used_blocks"] == 0 and stats["num_running"] + stats["num_waiting"] == 0:
+            return stats
+        await asyncio.sleep(0.02)
+    return stats
+
+
+async def test_the_core_runs_in_a_process_of_its_own(server: LLMServer) -> None:
+    import psutil
+
+    pid = (await server.fresh_stats())["core_pid"]
+    assert pid != os.getpid() and server.info()["pid"] == pid
+    core = psutil.Process(pid)
+    assert core.ppid() == os.getpid()
+    assert "EngineCore" in " ".join(core.cmdline())
 
 
 async def _collect(server: LLMServer, req: GenerateRequest) -> dict[int, list]:
@@ -57,8 +83,8 @@ async def test_32_concurrent_requests_match_each_alone(server: LLMServer) -> Non
         assert len(a) == r.params.max_tokens
         assert _tokens(t[0]) == a, r.request_id
         assert t[0][-1].finish_reason == "length"
-    assert server.engine.blocks.num_used_blocks == 0
-    assert server.engine.stats.num_steps > 0
+    stats = await _settled(server)
+    assert stats["num_used_blocks"] == 0 and stats["num_steps"] > 0
 
 
 async def test_abort_frees_blocks(server: LLMServer) -> None:
@@ -71,11 +97,7 @@ async def test_abort_frees_blocks(server: LLMServer) -> None:
         await gen.aclose()  # the consumer goes away, as a disconnecting client does
 
     await asyncio.gather(*(consume_a_little(r) for r in reqs))
-    for _ in range(100):
-        if server.engine.blocks.num_used_blocks == 0 and not server.engine.scheduler.has_work():
-            break
-        await asyncio.sleep(0.02)
-    assert server.engine.blocks.num_used_blocks == 0
+    assert (await _settled(server))["num_used_blocks"] == 0
 
 
 async def test_cancelled_task_aborts(server: LLMServer) -> None:
@@ -86,11 +108,7 @@ async def test_cancelled_task_aborts(server: LLMServer) -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    for _ in range(100):
-        if server.engine.blocks.num_used_blocks == 0:
-            break
-        await asyncio.sleep(0.02)
-    assert server.engine.blocks.num_used_blocks == 0
+    assert (await _settled(server))["num_used_blocks"] == 0
 
 
 async def test_seed_gives_same_tokens_alone_and_in_a_batch(server: LLMServer) -> None:
@@ -172,15 +190,18 @@ async def test_preemption_by_recompute_keeps_outputs_exact() -> None:
     small = LLMServer(ReplicaConfig(model=EMBEDDED_MODEL_ID, max_model_len=128,
                                     kv_cache_gib=1e-9, max_num_seqs=8, block_size=16,
                                     enable_prefix_caching=False))
-    assert small.engine.blocks.num_blocks == 8
-    reqs = [GenerateRequest(f"pre{i}", p[:40] + (1,) * max(0, 40 - len(p)),
-                            SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
-            for i, p in enumerate(_prompts(8, seed=9))]
-    alone = [_tokens((await _collect(small, r))[0]) for r in reqs]
-    together = await asyncio.gather(*(_collect(small, r) for r in reqs))
-    assert [_tokens(t[0]) for t in together] == alone
-    assert small.engine.scheduler.num_preemptions > 0
-    assert small.engine.blocks.num_used_blocks == 0
+    try:
+        assert (await small.fresh_stats())["num_blocks"] == 8
+        reqs = [GenerateRequest(f"pre{i}", p[:40] + (1,) * max(0, 40 - len(p)),
+                                SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+                for i, p in enumerate(_prompts(8, seed=9))]
+        alone = [_tokens((await _collect(small, r))[0]) for r in reqs]
+        together = await asyncio.gather(*(_collect(small, r) for r in reqs))
+        assert [_tokens(t[0]) for t in together] == alone
+        stats = await _settled(small)
+        assert stats["preemptions"] > 0 and stats["num_used_blocks"] == 0
+    finally:
+        small.close()
 
 
 async def test_stream_interval_sends_first_token_alone_then_groups(server: LLMServer) -> None:
@@ -223,8 +244,10 @@ async def test_message_budget_groups_tokens_under_load(server: LLMServer) -> Non
     assert server.config.stream_messages_per_s is None
     assert budget == (500.0 if torch.cuda.is_available() else 50.0)
     # set, it is the replica's whatever the device
-    assert LLMServer(ReplicaConfig(model=EMBEDDED_MODEL_ID, max_model_len=128, kv_cache_gib=0.01,
-                                   stream_messages_per_s=0.0)).stream_budget == 0.0
+    off = LLMServer(ReplicaConfig(model=EMBEDDED_MODEL_ID, max_model_len=128, kv_cache_gib=0.01,
+                                  stream_messages_per_s=0.0), in_process=True)
+    assert off.stream_budget == 0.0
+    off.close()
     for alone, grouped in zip(every, budgeted):
         assert [len(b.token_ids) for b in alone[0]] == [1] * 24
         sizes = [len(b.token_ids) for b in grouped[0]]
@@ -240,7 +263,7 @@ async def test_stop_choice_ends_one_choice_and_takes_its_extra_tokens_off_the_co
     """The ingress found a stop string after 3 tokens of choice 0 (the engine had made more):
     that choice ends, its row is freed, choice 1 runs on to max_tokens, and the engine's
     generation counter grows by exactly what the client got."""
-    before = server.engine.stats.generation_tokens
+    before = (await server.fresh_stats())["generation_tokens"]
     req = GenerateRequest("stop-choice", _prompts(1, seed=7)[0],
                           SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True), n=2)
     got: dict[int, list] = {0: [], 1: []}
@@ -249,19 +272,19 @@ async def test_stop_choice_ends_one_choice_and_takes_its_extra_tokens_off_the_co
         for b in batches:
             got[b.choice_index].append(b)
         if not sent and len(_tokens(got[0])) >= 5:
-            server.engine.stop_choice("stop-choice", 0, 3)
+            server.stop_choice("stop-choice", 0, 3)
             sent = True
     assert got[0][-1].finish_reason == "stop" and got[1][-1].finish_reason == "length"
     assert len(_tokens(got[0])) < 60 and len(_tokens(got[1])) == 60
-    assert server.engine.stats.generation_tokens - before == 3 + 60
+    assert (await server.fresh_stats())["generation_tokens"] - before == 3 + 60
     # a stop for a choice that had already finished still corrects the counter
-    before = server.engine.stats.generation_tokens
+    before = (await server.fresh_stats())["generation_tokens"]
     req = dataclasses.replace(req, request_id="stop-late", n=1)
     await _collect(server, req)
-    server.engine.stop_choice("stop-late", 0, 10)
-    await asyncio.sleep(0.1)  # the engine's loop applies it
-    assert server.engine.stats.generation_tokens - before == 10
-    assert server.engine.blocks.num_used_blocks == 0
+    server.stop_choice("stop-late", 0, 10)
+    await asyncio.sleep(0.1)  # the core's loop applies it
+    stats = await _settled(server)
+    assert stats["generation_tokens"] - before == 10 and stats["num_used_blocks"] == 0
 
 
 async def test_prompt_logprobs_survive_preemption_and_are_computed_once_for_n() -> None:
@@ -279,7 +302,7 @@ async def test_prompt_logprobs_survive_preemption_and_are_computed_once_for_n() 
 
     alone = [(await run(i, p))[0][0].prompt_logprobs for i, p in enumerate(prompts)]
     together = await asyncio.gather(*(run(100 + i, p) for i, p in enumerate(prompts)))
-    assert tight.engine.scheduler.num_preemptions > 0
+    assert (await tight.fresh_stats())["preemptions"] > 0
     for p, a, t in zip(prompts, alone, together):
         got = t[0][0].prompt_logprobs
         assert len(got) == len(p[:200]) and got[0] is None
@@ -287,6 +310,7 @@ async def test_prompt_logprobs_survive_preemption_and_are_computed_once_for_n() 
         assert [round(e.logprob, 4) for e in got[1:]] == [round(e.logprob, 4) for e in a[1:]]
     two = await run(999, prompts[0], n=2)
     assert two[0][0].prompt_logprobs is not None and two[1][0].prompt_logprobs is None
+    tight.close()
 
 
 async def test_a_prediction_changes_no_greedy_token_and_its_counts_add_up(
@@ -299,10 +323,10 @@ async def test_a_prediction_changes_no_greedy_token_and_its_counts_add_up(
     plain = _tokens((await _collect(server, GenerateRequest("pred-plain", prompt, params)))[0])
     edited = plain[:20] + [7, 8, 9] + plain[23:50]
     for name, guess in (("right", plain), ("edited", edited), ("wrong", list(range(50, 90)))):
-        steps = server.engine.stats.num_steps
+        steps = (await server.fresh_stats())["num_steps"]
         got = (await _collect(server, GenerateRequest(f"pred-{name}", prompt, params,
                                                       prediction=tuple(guess))))[0]
-        steps = server.engine.stats.num_steps - steps
+        steps = (await server.fresh_stats())["num_steps"] - steps
         assert _tokens(got) == plain, name
         accepted = sum(b.accepted_prediction_tokens for b in got)
         rejected = sum(b.rejected_prediction_tokens for b in got)
@@ -320,4 +344,29 @@ async def test_a_prediction_changes_no_greedy_token_and_its_counts_add_up(
     assert _tokens(runs[0][0]) == _tokens(runs[1][0]) and len(_tokens(runs[0][0])) == 64
     assert sum(b.accepted_prediction_tokens + b.rejected_prediction_tokens
                for b in runs[0][0]) > 0
-    assert server.engine.blocks.num_used_blocks == 0
+    assert (await _settled(server))["num_used_blocks"] == 0
+
+
+async def test_a_failing_logits_processor_fails_its_request_only(server: LLMServer) -> None:
+    """One request's processor raises on its 5th step, another's returns a wrong shape: those
+    two fail with a 400 naming the processor; the 15 requests beside them in the same steps
+    get exactly what they get alone, and the core keeps serving."""
+    prompts = _prompts(16, seed=31)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    reqs = [GenerateRequest(f"rowfail-{i}", p, params) for i, p in enumerate(prompts)]
+    alone = [_tokens((await _collect(server, dataclasses.replace(r, request_id=f"alone-{i}"))
+                      )[0]) for i, r in enumerate(reqs)]
+    bad = [dataclasses.replace(reqs[3], params=dataclasses.replace(
+               params, logits_processors=((FAILS, '{"after": 4}'),))),
+           dataclasses.replace(reqs[9], params=dataclasses.replace(
+               params, logits_processors=((FAILS, '{"after": 2, "wrong_shape": true}'),)))]
+    reqs[3], reqs[9] = bad
+    results = await asyncio.gather(*(_collect(server, r) for r in reqs), return_exceptions=True)
+    for i, (result, expected) in enumerate(zip(results, alone)):
+        if i in (3, 9):
+            assert isinstance(result, EngineError) and result.status == 400, result
+            assert result.param == "logits_processors" and "FailsAfter" in result.message
+        else:
+            assert not isinstance(result, BaseException), result
+            assert _tokens(result[0]) == expected
+    assert (await _settled(server))["num_used_blocks"] == 0

@@ -1,0 +1,356 @@
+"""EngineCore: everything of a model replica that computes, in a process of its own.
+
+It owns the step loop, the scheduler, the KV cache, the sampler, the constraint guides (and their
+compiler) and the model (at tp > 1, the shard actors it drives). The replica's Serve process is a
+thin front (replicas/core_client.py): it sends requests, aborts and stop_choice messages, and fans
+the core's step messages out to the waiting `generate` calls. So the engine's per-step Python never
+shares an interpreter (a GIL) with Ray Serve's per-request and per-message work, and a core that
+dies or wedges can be killed and started again without taking the replica down.
+
+`python -m replicas.engine_core --spec FILE` runs one; its command line reads
+`shardserve::EngineCore <model>` in `ps`, as vLLM's `VLLM::EngineCore`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import pickle
+import signal
+import sys
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer
+from transformers import AutoConfig
+
+from replicas import core_protocol as proto
+from replicas.engine import Engine, EngineConfig, compute_thread
+from replicas.executor import InProcessExecutor, RayExecutor
+from replicas.logits_processors import load_factory
+from replicas.model_files import resolve_model_path
+from replicas.request import EngineError, GenerateRequest
+from replicas.worker import WorkerConfig
+from structured.compiler import Compiler
+from structured.errors import ConstraintError
+from structured.vocabulary import Vocabulary
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    model: str
+    max_model_len: int | None = None
+    dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    block_size: int = 16
+    kv_cache_gib: float = 0.5
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_waiting: int = 1024
+    enable_prefix_caching: bool = True
+    priority_scheduling: bool = False
+    num_threads: int = 0  # 0: every core of the node
+    shard_num_cpus: float = 0.5
+    shard_num_gpus: float = 0.0
+    logits_processors: tuple[str, ...] = ()  # the allowlist: qualified names
+    structured_timeout_s: float = 10.0
+    # the core's forward runs in a thread that takes the GIL back between torch ops; with
+    # Python's default 5 ms switch interval, every time the core's event loop thread holds it
+    # the forward stalls for up to 5 ms
+    gil_switch_interval_s: float | None = 0.0005
+    # tokens a choice buffers before its next message leaves the replica (vLLM's
+    # --stream-interval): the first token and the last always go at once; more than 1 trades
+    # smoothness for fewer messages through the replica -> ingress -> client path
+    stream_interval: int = 1
+    # the replica's budget of streamed messages per second, shared by its running requests: each
+    # waits at least num_running / budget seconds between messages (the first token and the last
+    # go at once); with few streams or slow steps it changes nothing. 0: off. None: 500 where the
+    # model runs on GPUs, 50 on CPUs, where each message costs ~1 ms of CPU in the replica (Ray's
+    # report of a generator item) and ~1.4 ms in the ingress, out of the cores the engine
+    # computes on
+    stream_messages_per_s: float | None = None
+    # vLLM's --enforce-eager: no CUDA graphs for decode steps (they apply on CUDA at tp 1)
+    enforce_eager: bool = False
+    # the front kills and restarts a core whose step has run this long (a hung forward) or that
+    # has sent nothing for `core_silence_s` (its process is wedged)
+    step_timeout_s: float = 120.0
+    core_silence_s: float = 15.0
+
+
+@dataclass(frozen=True)
+class CoreSpec:
+    """What a core process is started with: the config, and at tp > 1 how to reach Ray."""
+
+    config: ReplicaConfig
+    name: str  # the served model's name, for `ps`
+    ray_address: str | None = None
+    ray_namespace: str | None = None
+    runtime_env: dict | None = None
+    placement_group_id: bytes | None = None  # the replica's group: bundles 1..N take the shards
+    shard_name_prefix: str | None = None
+
+
+def eos_token_ids(path: Path, hf_config: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (hf_config.to_dict(), _read_json(path / "generation_config.json")):
+        eos = source.get("eos_token_id")
+        if eos is not None:
+            ids.update(eos if isinstance(eos, list) else [eos])
+    return frozenset(ids)
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def resolve_dtype(name: str, hf_config: Any) -> str:
+    if name != "auto":
+        return name
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    dtype = str(dtype).removeprefix("torch.") if dtype is not None else "float32"
+    if dtype == "float16" and not torch.cuda.is_available():
+        return "bfloat16"  # fp16 matmuls are slow or missing on CPUs
+    return dtype if dtype in ("float32", "bfloat16", "float16") else "float32"
+
+
+def _tokenizer_size(path: Path) -> int | None:
+    file = path / "tokenizer.json"
+    if not file.exists():
+        return None
+    return Tokenizer.from_file(str(file)).get_vocab_size(with_added_tokens=True)
+
+
+class EngineCore:
+    """The engine and what feeds it: builds the model from a ReplicaConfig, compiles constraints,
+    and turns commands into engine calls. `engine.on_outputs` is where its steps' outputs go."""
+
+    def __init__(self, spec: CoreSpec) -> None:
+        config = spec.config
+        self.config = config
+        if config.gil_switch_interval_s:
+            sys.setswitchinterval(config.gil_switch_interval_s)
+        path = resolve_model_path(config.model)
+        hf_config = AutoConfig.from_pretrained(path)
+        dtype = resolve_dtype(config.dtype, hf_config)
+        max_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
+        head_dim = (getattr(hf_config, "head_dim", None)
+                    or hf_config.hidden_size // hf_config.num_attention_heads)
+        bytes_per_token = (2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads
+                           * head_dim * torch.finfo(getattr(torch, dtype)).bits // 8)
+        num_blocks = int(config.kv_cache_gib * 2**30 // (bytes_per_token * config.block_size))
+        # never less than one full-length sequence, never more than every slot full-length
+        blocks_per_seq = -(-max_len // config.block_size)
+        num_blocks = max(blocks_per_seq, min(num_blocks, blocks_per_seq * config.max_num_seqs))
+        num_threads = config.num_threads or os.cpu_count() or 1
+        worker_config = WorkerConfig(str(path), dtype, num_blocks, config.block_size,
+                                     config.tensor_parallel_size, num_threads,
+                                     max_num_seqs=config.max_num_seqs, max_model_len=max_len,
+                                     cuda_graphs=not config.enforce_eager)
+        compute = compute_thread()
+        if config.tensor_parallel_size == 1:
+            # built on the thread that will run it: one OpenMP team for all torch work
+            executor = compute.submit(InProcessExecutor, worker_config).result()
+        else:
+            executor = RayExecutor(worker_config, config.shard_num_cpus, config.shard_num_gpus,
+                                   name_prefix=spec.shard_name_prefix,
+                                   placement_group_id=spec.placement_group_id)
+        eos = eos_token_ids(path, hf_config)
+        tokenizer_file = path / "tokenizer.json"
+        # built once, compiled against lazily: cores that never see a constrained request never
+        # start compile workers
+        self.vocabulary = (Vocabulary.from_tokenizer(tokenizer_file, sorted(eos),
+                                                     int(hf_config.vocab_size))
+                           if tokenizer_file.exists() and eos else None)
+        self.compiler: Compiler | None = None
+        self.info = {"model_path": str(path), "max_model_len": max_len,
+                     "vocab_size": int(hf_config.vocab_size), "dtype": dtype,
+                     "on_gpu": (torch.cuda.is_available() if config.tensor_parallel_size == 1
+                                else config.shard_num_gpus > 0),
+                     "shard_num_parameters": executor.shard_sizes(), "pid": os.getpid()}
+        self.engine = Engine(
+            EngineConfig(max_len, num_blocks, config.block_size, config.max_num_seqs,
+                         config.max_num_batched_tokens, config.max_waiting,
+                         config.enable_prefix_caching, config.priority_scheduling,
+                         sampleable_vocab=_tokenizer_size(path),
+                         step_stall_s=config.step_timeout_s),
+            executor, eos,
+            {name: load_factory(name) for name in config.logits_processors}, compute)
+        # requests whose constraint is compiling: an abort meanwhile cancels the compile
+        self._compiling: dict[str, asyncio.Task] = {}
+
+    # ---- commands ------------------------------------------------------------------------------
+    def handle(self, commands: list[tuple]) -> None:
+        for command in commands:
+            kind = command[0]
+            if kind == proto.ADD:
+                self.add(command[1])
+            elif kind == proto.ABORT:
+                self.abort(command[1])
+            elif kind == proto.STOP:
+                self.engine.stop_choice(*command[1:])
+
+    def add(self, request: GenerateRequest) -> None:
+        if request.constraint is None:
+            self._add(request, None)
+            return
+        task = asyncio.get_running_loop().create_task(self._compile_then_add(request))
+        self._compiling[request.request_id] = task
+        task.add_done_callback(lambda _: self._compiling.pop(request.request_id, None))
+
+    def abort(self, request_id: str) -> None:
+        task = self._compiling.pop(request_id, None)
+        if task is not None:
+            task.cancel()
+        self.engine.abort(request_id)
+
+    def _add(self, request: GenerateRequest, compiled: Any) -> None:
+        try:
+            self.engine.add(request, compiled)
+        except EngineError as exc:
+            self.engine.on_outputs([], [(request.request_id, exc)])
+
+    async def _compile_then_add(self, request: GenerateRequest) -> None:
+        try:
+            compiled = await self._compile(request)
+        except EngineError as exc:
+            self.engine.on_outputs([], [(request.request_id, exc)])
+            return
+        self._add(request, compiled)
+
+    async def _compile(self, request: GenerateRequest) -> Any:
+        if self.compiler is None:
+            if self.vocabulary is None:
+                raise EngineError("structured outputs need the model's tokenizer.json",
+                                  param="response_format")
+            self.compiler = Compiler(self.vocabulary, timeout_s=self.config.structured_timeout_s)
+        try:
+            return await self.compiler.compile(request.constraint, request.client)
+        except ConstraintError as exc:
+            raise EngineError(exc.message, param=exc.param) from None
+
+    def stats(self) -> dict[str, Any]:
+        e = self.engine
+        return {"max_model_len": self.info["max_model_len"],
+                "vocab_size": self.info["vocab_size"],
+                "num_running": e.num_running, "num_waiting": e.num_waiting,
+                "kv_cache_usage": e.blocks.usage, "num_used_blocks": e.blocks.num_used_blocks,
+                "num_blocks": e.blocks.num_blocks,
+                "preemptions": e.scheduler.num_preemptions,
+                **asdict(e.stats), **e.health()}
+
+    def shutdown(self) -> None:
+        for task in list(self._compiling.values()):
+            task.cancel()
+        if self.compiler is not None:
+            self.compiler.close()
+        self.engine.executor.shutdown()
+
+
+# ---- the process ---------------------------------------------------------------------------------
+def _die_with_parent() -> None:
+    """The kernel kills this process when the replica's process dies, however it dies."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _set_title(name: str) -> None:
+    try:
+        import setproctitle
+    except ImportError:
+        return
+    setproctitle.setproctitle(f"shardserve::EngineCore {name}")
+
+
+async def _serve(spec: CoreSpec, input_addr: str, output_addr: str, parent: int) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    out = ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.LINGER, 1000)
+    out.setsockopt(zmq.SNDHWM, 0)
+    out.connect(output_addr)
+    inp = ctx.socket(zmq.PULL)
+    inp.setsockopt(zmq.RCVHWM, 0)
+    inp.connect(input_addr)
+    loop = asyncio.get_running_loop()
+
+    if spec.ray_address is not None:
+        import ray
+        ray.init(address=spec.ray_address, namespace=spec.ray_namespace,
+                 runtime_env=spec.runtime_env, log_to_driver=False)
+    core = EngineCore(spec)
+    # one message per step: the engine hands a step's outputs over once, at its end
+    core.engine.on_outputs = lambda outputs, errors: out.send(proto.encode_step(outputs, errors))
+    done = loop.create_future()
+
+    def on_commands(commands: list[tuple]) -> None:
+        for command in commands:
+            if command[0] == proto.STATS:
+                out.send(proto.encode([proto.STATS, command[1], core.stats()]))
+            elif command[0] == proto.SHUTDOWN and not done.done():
+                done.set_result(None)
+        core.handle(commands)
+
+    def read() -> None:  # a thread: blocks in zmq, not on the event loop
+        while not done.done():
+            try:
+                if inp.poll(200):
+                    commands = proto.decode_commands(inp.recv())
+                    loop.call_soon_threadsafe(on_commands, commands)
+            except zmq.ZMQError:
+                return
+
+    threading.Thread(target=read, name="core-input", daemon=True).start()
+    out.send(proto.encode([proto.READY, core.info]))
+
+    async def beat() -> None:
+        while True:
+            if os.getppid() != parent:  # the replica is gone (a fallback to PDEATHSIG)
+                os._exit(0)
+            # (a loop that ended by an error has failed its requests and says so in `failed`:
+            # the front then starts a new core)
+            out.send(proto.encode([proto.BEAT, core.stats()]))
+            await asyncio.sleep(proto.HEARTBEAT_S)
+
+    beater = loop.create_task(beat())
+    try:
+        await done
+    finally:
+        beater.cancel()
+        core.shutdown()
+        out.close(linger=1000)
+        inp.close(linger=0)
+        ctx.term()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="shardserve::EngineCore")
+    parser.add_argument("--spec", required=True, help="a pickled CoreSpec (deleted once read)")
+    parser.add_argument("--input", required=True)
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--parent", type=int, required=True)
+    args = parser.parse_args(argv)
+    _die_with_parent()
+    if os.getppid() != args.parent:
+        sys.exit(0)
+    with open(args.spec, "rb") as f:
+        spec: CoreSpec = pickle.load(f)  # noqa: S301  (written by our replica, 0600)
+    os.unlink(args.spec)
+    _set_title(spec.name)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s EngineCore %(levelname)s "
+                        "%(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    asyncio.run(_serve(spec, args.input, args.output, args.parent))
+
+
+if __name__ == "__main__":
+    main()
