@@ -244,10 +244,55 @@ def _one(peer: str, path: Path, requests: list[BenchRequest], tokenizer: Any,
     log = Path(f"/tmp/bench-compare-{peer.replace('[', '-').rstrip(']')}.log")
     with _server(_serve_cmd(peer, args, path, port), port, args.startup_timeout, log) as base:
         model = _served_model(base, str(path))
+        ours = peer.startswith("shardserve")
+        before = _front_counters(base) if ours else None
         # transformers serve rejects vLLM's ignore_eos; its lengths rest on max_tokens
         # (the random-weight models here almost never sample EOS)
-        return asyncio.run(_load(base, model, requests, args,
-                                 ignore_eos=peer != "transformers-serve"))
+        result = asyncio.run(_load(base, model, requests, args,
+                                   ignore_eos=peer != "transformers-serve"))
+        if before is not None:
+            result.update(_front_costs(before, _front_counters(base)))
+        return result
+
+
+# the model replica's process (the front) and its engine core's, by their `ps` names
+FRONT, CORE = "LLMReplica", "shardserve::EngineCore"
+
+
+def _front_counters(base: str) -> dict[str, float]:
+    """CPU seconds of the replica and core processes, and the engine's steps and the replica's
+    streamed messages from /metrics (summed over models)."""
+    import psutil
+
+    counters = {"front_cpu_s": 0.0, "core_cpu_s": 0.0, "steps": 0.0, "messages": 0.0}
+    for proc in psutil.process_iter(["cmdline", "cpu_times"]):
+        cmdline = " ".join(proc.info["cmdline"] or ())
+        times = proc.info["cpu_times"]
+        if times is None:
+            continue
+        key = ("core_cpu_s" if CORE in cmdline else "front_cpu_s" if FRONT in cmdline
+               else None)
+        if key:
+            counters[key] += times.user + times.system
+    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
+        name = line.split("{", 1)[0]
+        if name == "shardserve:engine_steps_total":
+            counters["steps"] += float(line.rsplit(" ", 1)[1])
+        elif name == "shardserve:replica_stream_messages_total":
+            counters["messages"] += float(line.rsplit(" ", 1)[1])
+    return counters
+
+
+def _front_costs(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What serving cost beside the engine during the load: the front's CPU per engine step and
+    per streamed message (the front also does Ray's per-request work), and the core's."""
+    d = {k: after[k] - before[k] for k in before}
+    # /metrics lags the board by up to a report period: the counts are a little low
+    steps, messages = max(d["steps"], 1.0), max(d["messages"], 1.0)
+    return {"front_cpu_s": d["front_cpu_s"], "core_cpu_s": d["core_cpu_s"],
+            "engine_steps": d["steps"], "stream_messages": d["messages"],
+            "front_cpu_ms_per_step": 1e3 * d["front_cpu_s"] / steps,
+            "front_cpu_ms_per_message": 1e3 * d["front_cpu_s"] / messages}
 
 
 def _median(values: list[float]) -> float | None:
@@ -275,7 +320,21 @@ def table(results: dict[str, list[dict[str, Any]]]) -> str:
         lines.append(f"{peer:<24}{tput:>12.1f}"
                      f"{(f'{ttft:.1f}' if ttft is not None else '-'):>14}"
                      f"{(f'{tpot:.1f}' if tpot is not None else '-'):>14}{ratios}")
-    return "\n".join(lines + floors(results))
+    return "\n".join(lines + floors(results) + front_lines(results))
+
+
+def front_lines(results: dict[str, list[dict[str, Any]]]) -> list[str]:
+    lines = []
+    for name in (n for n in results if n.startswith("shardserve")):
+        runs = [r for r in results[name] if "front_cpu_ms_per_step" in r]
+        if runs:
+            lines.append(
+                f"{name}: replica front CPU {_median([r['front_cpu_s'] for r in runs]):.1f} s, "
+                f"engine core {_median([r['core_cpu_s'] for r in runs]):.1f} s; front "
+                f"{_median([r['front_cpu_ms_per_step'] for r in runs]):.2f} ms per engine step, "
+                f"{_median([r['front_cpu_ms_per_message'] for r in runs]):.2f} ms per "
+                "streamed message")
+    return lines
 
 
 def floors(results: dict[str, list[dict[str, Any]]]) -> list[str]:

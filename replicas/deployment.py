@@ -86,6 +86,7 @@ class LLMServer:
                               else 500.0 if info["on_gpu"] else 50.0)
         self.max_model_len = info["max_model_len"]
         self.vocab_size = info["vocab_size"]
+        self.stream_messages = 0  # generate's yields: each is one Ray message to the ingress
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[tuple[TokenBatch, ...]]:
         outbox = self.core.add(request)
@@ -107,6 +108,7 @@ class LLMServer:
                 remaining -= sum(b.finish_reason is not None for b in batches)
                 if budget:
                     outbox.hold_until = time.monotonic() + self.core.num_running() / budget
+                self.stream_messages += 1
                 yield batches
         finally:
             if remaining:  # cancelled, or the consumer stopped early (a stop string)
@@ -121,7 +123,7 @@ class LLMServer:
         return {**self.core.info, "config": asdict(self.config)}
 
     def stats(self) -> dict:
-        return self.core.stats()
+        return {**self.core.stats(), "stream_messages": self.stream_messages}
 
     async def fresh_stats(self) -> dict:
         return await self.core.fresh_stats()

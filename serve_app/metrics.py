@@ -59,6 +59,13 @@ class Metrics:
         self.replicas = Gauge("shardserve:replicas_reporting",
                               "Model replicas whose state reached the ingress recently", label,
                               registry=r)
+        self.steps = Gauge("shardserve:engine_steps_total", "Engine steps", label, registry=r)
+        self.stream_messages = Gauge("shardserve:replica_stream_messages_total",
+                                     "Messages the replicas streamed to the ingress", label,
+                                     registry=r)
+        self.core_restarts = Gauge("shardserve:engine_core_restarts_total",
+                                   "Engine cores the replicas restarted (died or hung)", label,
+                                   registry=r)
         # counts, set from the ingress's and the engines' own counters at scrape time
         self.rejected = Gauge("shardserve:requests_rejected_total",
                               "Requests turned away (429/503), by reason", label + ["reason"],
@@ -86,8 +93,8 @@ class Metrics:
         if not reports:
             return
 
-        def total(key: str) -> float:
-            return sum(r[key] for r in reports)
+        def total(key: str) -> float:  # (a core that is starting has not reported them)
+            return sum(r.get(key, 0) for r in reports)
         self.running.labels(model).set(total("num_running"))
         self.waiting.labels(model).set(total("num_waiting"))
         self.kv_usage.labels(model).set(total("kv_cache_usage") / len(reports))
@@ -95,6 +102,9 @@ class Metrics:
         self.generation_tokens.labels(model).set(total("generation_tokens"))
         self.preemptions.labels(model).set(total("preemptions"))
         self.forced.labels(model).set(total("forced_tokens"))
+        self.steps.labels(model).set(total("num_steps"))
+        self.stream_messages.labels(model).set(total("stream_messages"))
+        self.core_restarts.labels(model).set(total("core_restarts"))
         self._engine_rejected[model] = {
             "engine_queue_full": total("rejected_queue_full"),
             "queue_wait": total("rejected_queue_wait")}
