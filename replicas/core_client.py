@@ -239,6 +239,11 @@ class ProcessCore:
         env = dict(os.environ)
         # the core imports what this process imports (a Ray job's working_dir and py_modules)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        # OpenMP threads that sleep at the end of a parallel region instead of spinning: on a
+        # box where the ingress, the replica and HAProxy share the cores with the engine,
+        # spinning threads took the CPU they needed (2 cores, a burst of 1,000: refusals in
+        # 2.96 s instead of 6.6 s; bench engine alone: benchmarks/RESULTS.md)
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         proc = subprocess.Popen(
             [sys.executable, "-m", "replicas.engine_core", "--spec", spec_file,
              "--input", in_addr, "--output", out_addr, "--parent", str(os.getpid())],

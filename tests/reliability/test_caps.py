@@ -83,11 +83,14 @@ def test_a_request_at_every_cap_barely_slows_the_streams_beside_it(base_url: str
     r = _post(base_url, **capped, max_tokens=8, ignore_eos=True, min_tokens=8)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8, r.text
 
-    tpot = {k: statistics.median(v) for k, v in asyncio.run(_rounds(base_url, capped)).items()}
+    rounds = asyncio.run(_rounds(base_url, capped))
+    tpot = {k: statistics.median(v) for k, v in rounds.items()}
+    # ratios within a round, then their median: this VM's speed drifts between rounds
+    vs_plain = statistics.median(c / p for c, p in zip(rounds["capped"], rounds["plain"]))
+    vs_alone = statistics.median(c / a for c, a in zip(rounds["capped"], rounds["alone"]))
     print({k: f"{v * 1e3:.2f} ms" for k, v in tpot.items()},
-          f"capped/plain {tpot['capped'] / tpot['plain']:.3f}",
-          f"capped/alone {tpot['capped'] / tpot['alone']:.3f}")
+          f"capped/plain {vs_plain:.3f}", f"capped/alone {vs_alone:.3f}")
     # the lists' own cost: beside the capped request vs beside the same request without lists
-    assert tpot["capped"] < 1.10 * tpot["plain"], tpot
+    assert vs_plain < 1.10, (tpot, vs_plain)
     # and all told, one more stream included (the lists used to make it several times slower)
-    assert tpot["capped"] < 1.25 * tpot["alone"], tpot
+    assert vs_alone < 1.25, (tpot, vs_alone)
