@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 from replicas import core_protocol as proto
+from replicas.engine import RETRY_AFTER_S
 from replicas.engine_core import CoreSpec, EngineCore
 from replicas.outbox import Outbox
 from replicas.request import EngineError, GenerateRequest, TokenBatch
@@ -35,7 +36,6 @@ logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 900.0  # loading a big model from a slow disk
 MAX_RESTARTS, RESTART_WINDOW_S = 5, 300.0
-RETRY_AFTER_S = 1
 # what stats() says before a core's first heartbeat
 NO_STATS = {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0, "failed": None,
             "loop_alive": True, "stalled": False, "step_running_s": 0.0}
@@ -194,6 +194,9 @@ class ProcessCore:
         stats = dict(self._stats)
         if self.failed is not None:
             stats["failed"] = self.failed
+        return self._with_supervisor(stats)
+
+    def _with_supervisor(self, stats: dict[str, Any]) -> dict[str, Any]:
         return {**stats, "core_pid": self._proc.pid if self._proc else None,
                 "core_restarts": self.restarts}
 
@@ -208,8 +211,7 @@ class ProcessCore:
             stats = await asyncio.wait_for(waiter, 30)
         finally:
             self._stats_waiters.pop(token, None)
-        return {**stats, "core_pid": self._proc.pid if self._proc else None,
-                "core_restarts": self.restarts}
+        return self._with_supervisor(stats)
 
     def failure(self) -> str | None:
         """Why the replica is unhealthy: only once restarting has been given up."""
