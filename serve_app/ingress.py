@@ -41,6 +41,7 @@ from serve_app.protocol import (ChatChoice, ChatCompletion, ChatCompletionChunk,
                                 DeltaToolCall, DeltaToolCallFunction, DetokenizeRequest,
                                 ModelCard, ModelList, PromptTokensDetails, ResponseFunctionCall,
                                 ResponseMessage, ResponseToolCall, TokenizeRequest, Usage)
+from serve_app.shedding import Shedding
 from serve_app.stream import (DONE, ChoiceDelta, ChoiceState, TokenText, completion_logprobs,
                               prompt_logprobs_json, sse)
 from serve_app.tool_parser import OutputParser
@@ -63,6 +64,7 @@ T = TypeVar("T", bound=BaseModel)
 app = FastAPI(title="shardserve", version=VERSION, dependencies=[Depends(require_api_key)])
 install_handlers(app)
 openapi.install(app)
+app.add_middleware(Shedding)
 
 
 def check_constraint_early(constraint: Constraint) -> None:
@@ -222,6 +224,7 @@ class Ingress:
         self.registry = ModelRegistry([load_model(m, handles[m.name]) for m in config.models])
         self.metrics = Metrics()
         self.admission = Admission(config)
+        app.state.check_room = lambda: self.admission.check_room(self.board.draining)
         self.pre = Preprocessor(config)
         # the replicas' engine state, kept fresh off the request path (/metrics, admission);
         # the reads are this ingress's heartbeat for /health (serve_app/health.py)
@@ -435,7 +438,6 @@ class Ingress:
     @app.post("/v1/chat/completions",
               openapi_extra=openapi.body(ChatCompletionRequest, streams=True))
     async def chat_completions(self, request: Request) -> Response:
-        self.admission.check_room(self.board.draining)
         body = await self._parse(request, ChatCompletionRequest)
         served = self.registry.resolve(body.model)
         ticket = self._admit(served, request)
@@ -618,7 +620,6 @@ class Ingress:
     @app.post("/v1/completions",
               openapi_extra=openapi.body(CompletionRequest, streams=True))
     async def completions(self, request: Request) -> Response:
-        self.admission.check_room(self.board.draining)
         body = await self._parse(request, CompletionRequest)
         served = self.registry.resolve(body.model)
         ticket = self._admit(served, request)

@@ -9,6 +9,8 @@ engines' running and waiting sequences; and every refusal is counted by reason
 
 from __future__ import annotations
 
+import collections
+
 import time
 from typing import Any
 
@@ -66,6 +68,11 @@ class Metrics:
         self.core_restarts = Gauge("shardserve:engine_core_restarts_total",
                                    "Engine cores the replicas restarted (died or hung)", label,
                                    registry=r)
+        self.model_info = Gauge("shardserve:model_info",
+                                "Replicas reporting, by the dtype they compute in and the ISA "
+                                "level of their CPU kernels (\"gpu\" on GPUs)",
+                                label + ["dtype", "isa"], registry=r)
+        self._info_labels: dict[str, set[tuple[str, str]]] = {}
         # counts, set from the ingress's and the engines' own counters at scrape time
         self.rejected = Gauge("shardserve:requests_rejected_total",
                               "Requests turned away (429/503), by reason", label + ["reason"],
@@ -105,6 +112,13 @@ class Metrics:
         self.steps.labels(model).set(total("num_steps"))
         self.stream_messages.labels(model).set(total("stream_messages"))
         self.core_restarts.labels(model).set(total("core_restarts"))
+        combos = collections.Counter((r["dtype"], r.get("isa") or "gpu") for r in reports
+                                     if "dtype" in r)
+        for gone in self._info_labels.get(model, set()) - set(combos):
+            self.model_info.remove(model, *gone)
+        for (dtype, isa), n in combos.items():
+            self.model_info.labels(model, dtype, isa).set(n)
+        self._info_labels[model] = set(combos)
         self._engine_rejected[model] = {
             "engine_queue_full": total("rejected_queue_full"),
             "queue_wait": total("rejected_queue_wait")}

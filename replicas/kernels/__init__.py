@@ -6,14 +6,18 @@ three times. `paged_attention.c` reads each key and value once. The others fuse 
 as several small ops, each costing microseconds of dispatch at decode sizes: `rms_norm.c` the
 residual add and RMSNorm, `rotary.c` RoPE and the store of the step's keys and values into the
 cache, `activation.c` the gated MLP's silu(gate) * up. Each rounds as torch does in the model
-dtype (`dtype.h`). `linear.c` replaces torch's bf16 matmul at every size over weights packed
-once after loading (`pack_linear`): 1.4x torch at 32 rows, 1.06x at 2048, and it streams a
-single row's weights at 2.5x torch's rate. `llama_layers.c` runs all of a Llama-family model's
-decoder layers of a step in one call over those kernels (`llama_layers`).
+dtype (`dtype.h`). `linear.c` replaces torch's matmul over weights packed once after loading:
+in bf16 with AVX512-BF16 dot products (`pack_linear`: 1.4x torch at 32 rows, 1.06x at 2048, a
+single row's weights streamed at 2.5x torch's rate), and in float32 over a bf16 checkpoint's
+weights kept as bf16 and widened in registers on every other CPU (`pack_mixed`, `linear_mixed`).
+`llama_layers.c` runs all of a Llama-family model's decoder layers of a step in one call over
+those kernels (`llama_layers`, bf16 or float32).
 
-The library is compiled with the machine's C compiler (`$CC`, else `cc`) for the CPU it runs on
-and cached under `$SHARDSERVE_CACHE/kernels/<hash of source, flags and CPU>`; the build is atomic,
-so concurrent replicas on one node race harmlessly. Without a compiler (or with
+The library is compiled with the machine's C compiler (`$CC`, else `cc`) once per ISA level
+(`isa.py`: AVX512-BF16, AVX-512, AVX2, SVE, NEON, portable), the level chosen at run time from
+what the CPU reports or `$SHARDSERVE_ISA`, and cached under
+`$SHARDSERVE_CACHE/kernels/<level>-<hash of sources and flags>`; the build is atomic, so
+concurrent replicas on one node race harmlessly. Without a compiler (or with
 `SHARDSERVE_NATIVE_KERNELS=0`) `load()` returns None and callers keep the torch path.
 
 On GPUs, decode attention over the paged cache is a Triton kernel (`triton_attention.py`)
@@ -38,13 +42,17 @@ from pathlib import Path
 
 import torch
 
+from replicas.kernels import isa
+
 logger = logging.getLogger(__name__)
 
 _SOURCES = tuple(Path(__file__).with_name(name) for name in
                  ("paged_attention.c", "rms_norm.c", "rotary.c", "activation.c", "linear.c",
                   "llama_layers.c"))
 _HEADERS = tuple(Path(__file__).with_name(name) for name in ("dtype.h",))
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=gnu11", "-fPIC")
+# the target flags come from the ISA level (isa.FLAGS), not -march=native: a build is chosen by
+# level at run time, can be forced to a lower one, and a cache shared by nodes of one level fits all
+_FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-std=gnu11", "-fPIC")
 # linked without -ffast-math: with it GCC adds crtfastmath.o, whose constructor turns on
 # flush-to-zero and denormals-are-zero for the whole process that loads the library (torch,
 # numpy and Python's own floats included), not just for these kernels
@@ -59,31 +67,19 @@ def _cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def _cpu_signature() -> str:
-    # -march=native binds the library to this CPU: a cache dir shared between nodes of
-    # different CPUs must not hand one node's build to another
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _torch_openmp() -> Path | None:
     lib = Path(torch.__file__).parent / "lib" / "libgomp.so.1"
     return lib if lib.exists() else None
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, level: str) -> Path:
     gomp = _torch_openmp()
     link = [f"-L{gomp.parent}", f"-Wl,-rpath,{gomp.parent}", "-l:libgomp.so.1"] if gomp else []
+    flags = (*_FLAGS, *isa.FLAGS[level])
     sources = [path.read_bytes() for path in _SOURCES + _HEADERS]
-    flags = " ".join(_FLAGS + _LINK_FLAGS + tuple(link)).encode()
-    key = hashlib.sha256(b"\0".join([*sources, flags, _cpu_signature().encode(),
-                                     compiler.encode()]))
-    out = _cache_dir() / key.hexdigest()[:16] / "libshardserve_kernels.so"
+    key = hashlib.sha256(b"\0".join([*sources, " ".join(flags + _LINK_FLAGS + tuple(link))
+                                     .encode(), platform.machine().encode(), compiler.encode()]))
+    out = _cache_dir() / f"{level}-{key.hexdigest()[:16]}" / "libshardserve_kernels.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -91,7 +87,7 @@ def _build(compiler: str) -> Path:
         staged = Path(tmp) / out.name
         objects = [str(Path(tmp) / f"{source.stem}.o") for source in _SOURCES]
         for source, obj in zip(_SOURCES, objects):
-            subprocess.run([compiler, *_FLAGS, "-c", str(source), "-o", obj],
+            subprocess.run([compiler, *flags, "-c", str(source), "-o", obj],
                            check=True, capture_output=True, text=True, timeout=120)
         subprocess.run([compiler, *_LINK_FLAGS, *objects, "-o", str(staged), *link, "-lm"],
                        check=True, capture_output=True, text=True, timeout=120)
@@ -108,11 +104,12 @@ _SIGNATURES = {
     "silu_mul": [_PTR, _PTR, _I64, _I64, _INT],
 }
 _SUFFIX = {torch.float32: "_f32", torch.bfloat16: "_bf16"}
-# bf16 only: float32 matmuls stay with torch (MKL)
-_BF16_SIGNATURES = {
+_LAYERS = [_PTR, _I64] + [_PTR] * 3 + [_I64] * 6 + [_F32] * 2 + [_PTR] * 5 + [_I64] * 3 + [_INT]
+# one-type kernels: the linears over packed weights and the decoder layers built on them
+_SINGLE_SIGNATURES = {
     "linear_bf16": [_PTR] * 4 + [_I64] * 3 + [_INT], "linear_bf16_fast": [],
-    "llama_layers_bf16": [_PTR, _I64] + [_PTR] * 3 + [_I64] * 6 + [_F32] * 2 + [_PTR] * 5
-                         + [_I64] * 3 + [_INT],
+    "linear_mixed": [_PTR] * 4 + [_I64] * 3 + [_INT], "linear_mixed_panel": [],
+    "llama_layers_bf16": _LAYERS, "llama_layers_f32": _LAYERS,
 }
 
 
@@ -122,7 +119,7 @@ def _declare(lib: ctypes.CDLL) -> None:
             fn = getattr(lib, name + suffix)
             fn.restype = ctypes.c_int
             fn.argtypes = argtypes
-    for name, argtypes in _BF16_SIGNATURES.items():
+    for name, argtypes in _SINGLE_SIGNATURES.items():
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
         fn.argtypes = argtypes
@@ -148,13 +145,15 @@ def _open() -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("no C compiler: the torch paths are used (slower decode attention)")
         return None
+    level = isa.selected()
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        lib = ctypes.CDLL(str(_build(compiler, level)))
         _declare(lib)
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         detail = getattr(e, "stderr", "") or e
         logger.warning("native kernels unavailable (%s): using the torch path", detail)
         return None
+    logger.info("native CPU kernels built for %s", level)
     return lib
 
 
@@ -170,7 +169,7 @@ def _fast_linear() -> bool:
 
 def packs_linear(weight: torch.Tensor) -> bool:
     """Whether `pack_linear` should pack this nn.Linear weight [N, K] for `linear`: bf16 on a CPU
-    whose build has AVX512-BF16. Elsewhere torch multiplies (float32: MKL; GPUs: cuBLAS)."""
+    whose build has AVX512-BF16."""
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
             and _fast_linear())
 
@@ -183,6 +182,33 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor:
     padded[:n, :k] = weight
     return padded.view(padded.shape[0] // 32, 32, padded.shape[1] // 2, 2).permute(0, 2, 1, 3) \
         .contiguous()
+
+
+def packs_mixed(weight: torch.Tensor) -> bool:
+    """Whether `pack_mixed` should pack this float32 nn.Linear weight [N, K] for `linear_mixed`:
+    on a CPU with the native kernels, when every value is exactly a bf16 (a bf16 checkpoint
+    computing in float32), so keeping it as bf16 loses nothing and halves what a step reads.
+    Elsewhere torch multiplies (float32 checkpoints: MKL; GPUs: cuBLAS)."""
+    if not (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+            and load() is not None):
+        return False
+    return bool(torch.equal(weight, weight.to(torch.bfloat16).float()))
+
+
+@cache
+def _mixed_panel() -> int:
+    lib = load()
+    return int(lib.linear_mixed_panel()) if lib is not None else 0
+
+
+def pack_mixed(weight: torch.Tensor) -> torch.Tensor:
+    """float32 weight [N, K] -> bf16 [ceil(N/P), K, P], P this build's panel, zero-padded past N:
+    the layout `linear_mixed` reads (see linear.c)."""
+    n, k = weight.shape
+    panel = _mixed_panel()
+    padded = weight.new_zeros(-(-n // panel) * panel, k, dtype=torch.bfloat16)
+    padded[:n] = weight
+    return padded.view(-1, panel, k).transpose(1, 2).contiguous()
 
 
 @cache
@@ -295,6 +321,27 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     return out.view(*x.shape[:-1], out_features)
 
 
+def linear_mixed(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [out_features, K]^T (+ bias) in float32 over `pack_mixed(weight)`
+    (bf16 values widened in registers), as F.linear over the float32 weight up to the order of
+    the float32 additions. Call only where `packs_mixed` held for the weight."""
+    if x.dtype != torch.float32 or packed.dtype != torch.bfloat16 or (
+            bias is not None and bias.dtype != torch.float32):
+        raise ValueError("linear_mixed takes float32 inputs and bias over a bf16 packed weight")
+    k = x.shape[-1]
+    if packed.dim() != 3 or packed.shape[1] != k or packed.shape[0] * packed.shape[2] < out_features:
+        raise ValueError(f"linear_mixed: a packed weight {tuple(packed.shape)} does not take "
+                         f"{k} input features to {out_features}")
+    rows = x.reshape(-1, k).contiguous()
+    bias = None if bias is None else bias.contiguous()
+    out = x.new_empty((rows.shape[0], out_features))
+    _kernel("linear_mixed")(rows.data_ptr(), packed.data_ptr(),
+                            None if bias is None else bias.data_ptr(), out.data_ptr(),
+                            rows.shape[0], out_features, k, torch.get_num_threads())
+    return out.view(*x.shape[:-1], out_features)
+
+
 class LlamaLayer(ctypes.Structure):
     """One decoder layer's parameters and cache as `llama_layers` reads them (llama_layers.c):
     data pointers of the norms' weights, the packed projections (qkv_bias None where there is
@@ -332,7 +379,8 @@ def llama_layers(layers: ctypes.Array, shape: LlamaShape, x: torch.Tensor, cos: 
         raise ValueError("llama_layers wants contiguous cos, sin and int64 slots, tables, lens")
     x = x.contiguous()
     out, residual = torch.empty_like(x), torch.empty_like(x)
-    failed = _kernel("llama_layers_bf16")(
+    name = {torch.bfloat16: "llama_layers_bf16", torch.float32: "llama_layers_f32"}[x.dtype]
+    failed = _kernel(name)(
         layers, len(layers), x.data_ptr(), out.data_ptr(), residual.data_ptr(), x.shape[0],
         shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.inter, shape.eps,
         shape.scale, cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(),

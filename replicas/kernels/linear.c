@@ -116,3 +116,124 @@ int linear_bf16(const void *x, const void *w, const void *bias, void *y, int64_t
     return 1;
 #endif
 }
+
+/* ---- float32 compute over bf16 weights ----------------------------------------------------------
+   y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]) in float32, the weight kept as bf16 (half the bytes
+   of float32: decode steps stream every weight once, so they take about half the time) and
+   widened in registers (a 16-bit shift). For CPUs without bf16 dot products (AVX2, AVX-512 F, NEON,
+   the portable build), where a bf16 checkpoint computes in float32. The values are the
+   checkpoint's: a weight is packed this way only when it is exactly bf16.
+
+   Written once with GCC vector extensions: each ISA build gets its own vector width (VBYTES), so
+   its own panel (two vectors of output columns) and row tile (accumulators that fit its
+   registers: 16 on AVX2 and SSE, 32 on AVX-512 and NEON). The packed weight is
+   [ceil(N/PANEL_MIXED)][K][PANEL_MIXED] bf16, zero-padded past N; `linear_mixed_panel` tells Python
+   the panel. Rows go in blocks that stay in L2 while the panels (split across threads) pass over
+   them. */
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX512F__)
+#define VBYTES 64
+#define MIXED_ROWS 8
+#elif defined(__AVX__)
+#define VBYTES 32
+#define MIXED_ROWS 6
+#elif defined(__aarch64__)
+#define VBYTES 16
+#define MIXED_ROWS 8
+#else
+#define VBYTES 16
+#define MIXED_ROWS 6
+#endif
+#define LANES (VBYTES / 4)
+#define PANEL_MIXED (2 * LANES)
+#define ROW_BLOCK 48 /* rows of x per block: 48 x 1536 floats is 288 KiB */
+
+typedef float vf __attribute__((vector_size(VBYTES)));
+typedef uint32_t vu __attribute__((vector_size(VBYTES)));
+typedef uint16_t vh __attribute__((vector_size(VBYTES / 2)));
+
+int linear_mixed_panel(void) { return PANEL_MIXED; }
+
+/* LANES bf16 at p as float32: one zero-extending load and a shift (GCC splits the generic
+   conversion into 128-bit halves on AVX2, three times the instructions) */
+KERNEL_INLINE vf widen(const uint16_t *p) {
+#if VBYTES == 64
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16);
+#elif VBYTES == 32 && defined(__AVX2__)
+    return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const void *)p)), 16);
+#else
+    vh h;
+    memcpy(&h, p, sizeof h);
+    return (vf)(__builtin_convertvector(h, vu) << 16);
+#endif
+}
+
+KERNEL_INLINE void mixed_tile(const float *x, const uint16_t *panel, const float *bias, float *y,
+                              int64_t N, int64_t K, int64_t m0, int64_t n0, int MT) {
+    vf acc[MIXED_ROWS][2];
+    for (int i = 0; i < MT; i++) acc[i][0] = acc[i][1] = (vf){0};
+    const float *xr[MIXED_ROWS];
+    for (int i = 0; i < MT; i++) xr[i] = x + (m0 + i) * K;
+    for (int64_t k = 0; k < K; k++) {
+        const vf w0 = widen(panel + k * PANEL_MIXED), w1 = widen(panel + k * PANEL_MIXED + LANES);
+        for (int i = 0; i < MT; i++) {
+            const float xv = xr[i][k];
+            acc[i][0] += xv * w0;
+            acc[i][1] += xv * w1;
+        }
+    }
+    for (int h = 0; h < 2; h++) {
+        const int64_t c0 = n0 + LANES * h;
+        if (c0 >= N) break;
+        vf b = (vf){0};
+        if (bias) {
+            if (N - c0 >= LANES) memcpy(&b, bias + c0, sizeof b);
+            else for (int64_t c = c0; c < N; c++) b[c - c0] = bias[c];
+        }
+        for (int i = 0; i < MT; i++) {
+            const vf v = acc[i][h] + b;
+            float *row = y + (m0 + i) * N + c0;
+            if (N - c0 >= LANES) memcpy(row, &v, sizeof v);
+            else for (int64_t c = c0; c < N; c++) row[c - c0] = v[c - c0];
+        }
+    }
+}
+
+static void mixed_panel_rows(const float *x, const uint16_t *panel, const float *bias, float *y,
+                             int64_t m0, int64_t m1, int64_t N, int64_t K, int64_t n0) {
+    int64_t m = m0;
+    for (; m + MIXED_ROWS <= m1; m += MIXED_ROWS)
+        mixed_tile(x, panel, bias, y, N, K, m, n0, MIXED_ROWS);
+    switch (m1 - m) {
+#if MIXED_ROWS > 7
+        case 7: mixed_tile(x, panel, bias, y, N, K, m, n0, 7); break;
+        case 6: mixed_tile(x, panel, bias, y, N, K, m, n0, 6); break;
+#endif
+        case 5: mixed_tile(x, panel, bias, y, N, K, m, n0, 5); break;
+        case 4: mixed_tile(x, panel, bias, y, N, K, m, n0, 4); break;
+        case 3: mixed_tile(x, panel, bias, y, N, K, m, n0, 3); break;
+        case 2: mixed_tile(x, panel, bias, y, N, K, m, n0, 2); break;
+        case 1: mixed_tile(x, panel, bias, y, N, K, m, n0, 1); break;
+        default: break;
+    }
+}
+
+/* x [M, K] float32, packed w (above), bias [N] float32 or NULL, y [M, N] float32. */
+int linear_mixed(const void *x, const void *w, const void *bias, void *y, int64_t M, int64_t N,
+                 int64_t K, int num_threads) {
+    const float *xs = x, *bs = bias;
+    const uint16_t *ws = w;
+    float *ys = y;
+    const int64_t panels = (N + PANEL_MIXED - 1) / PANEL_MIXED, panel_size = K * PANEL_MIXED;
+#pragma omp parallel num_threads(num_threads)
+    for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
+        const int64_t m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
+#pragma omp for schedule(static) nowait
+        for (int64_t t = 0; t < panels; t++)
+            mixed_panel_rows(xs, ws + t * panel_size, bs, ys, m0, m1, N, K, t * PANEL_MIXED);
+    }
+    return 0;
+}

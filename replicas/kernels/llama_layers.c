@@ -1,12 +1,12 @@
-/* Every decoder layer of a Llama-family model (Llama, Mistral, Qwen2) on CPUs in bf16, in one
-   call per step: the same kernels the Python layers call, in the same order, so the hidden states
+/* Every decoder layer of a Llama-family model (Llama, Mistral, Qwen2) on CPUs, in one call per
+   step (bf16 over AVX512-BF16-packed weights, or float32 over bf16 weights widened in registers): the same kernels the Python layers call, in the same order, so the hidden states
    are bit-identical, without the Python between them.
 
    Per layer the Python path made ~25 interpreter-level calls (modules, kernel wrappers, views,
    output allocations): ~130 us a layer, ~4 ms of a 40 ms 32-row decode step of bench-135m's 30
    layers. Here a layer is nine C calls on buffers carved once per step from one allocation.
 
-   Weights are packed (linear.c); the caches are each layer's [kv_heads, slots, head_dim]; every
+   Weights are packed (linear.c: `linear_bf16`'s or `linear_mixed`'s layout); the caches are each layer's [kv_heads, slots, head_dim]; every
    token of the step is a decode row of the attention (prefill tokens included, as the model
    runner describes them on CPUs). Tensor parallelism (the all-reduces), Qwen3's q/k norms and an
    o_proj bias are not done here: the model keeps its Python layers for those. */
@@ -15,19 +15,30 @@
 #include <stdlib.h>
 #include <string.h>
 
-int add_rms_norm_bf16(const void *x, void *residual, const void *weight, float eps, void *out,
-                      int64_t rows, int64_t dim, int num_threads);
-int linear_bf16(const void *x, const void *w, const void *bias, void *y, int64_t M, int64_t N,
-                int64_t K, int num_threads);
-int rope_store_bf16(void *qkv, const void *cos, const void *sin, const int64_t *slots,
-                    void *k_cache, void *v_cache, int64_t tokens, int64_t heads, int64_t kv_heads,
-                    int64_t head_dim, int64_t cache_slots, int num_threads);
-int paged_decode_attention_bf16(const void *q, const void *k, const void *v,
-                                const int64_t *tables, const int64_t *lens, void *out,
-                                int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                                int64_t num_blocks, int64_t block_size, int64_t max_blocks,
-                                float scale, int num_threads);
-int silu_mul_bf16(const void *x, void *out, int64_t rows, int64_t inter, int num_threads);
+typedef int (*norm_fn)(const void *, void *, const void *, float, void *, int64_t, int64_t, int);
+typedef int (*linear_fn)(const void *, const void *, const void *, void *, int64_t, int64_t,
+                         int64_t, int);
+typedef int (*rope_fn)(void *, const void *, const void *, const int64_t *, void *, void *,
+                       int64_t, int64_t, int64_t, int64_t, int64_t, int);
+typedef int (*attention_fn)(const void *, const void *, const void *, const int64_t *,
+                            const int64_t *, void *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                            int64_t, int64_t, float, int);
+typedef int (*silu_fn)(const void *, void *, int64_t, int64_t, int);
+
+#define DECLARE(SUFFIX)                                                                          \
+    int add_rms_norm_##SUFFIX(const void *, void *, const void *, float, void *, int64_t,       \
+                              int64_t, int);                                                     \
+    int rope_store_##SUFFIX(void *, const void *, const void *, const int64_t *, void *, void *, \
+                            int64_t, int64_t, int64_t, int64_t, int64_t, int);                   \
+    int paged_decode_attention_##SUFFIX(const void *, const void *, const void *,                \
+                                        const int64_t *, const int64_t *, void *, int64_t,       \
+                                        int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,    \
+                                        float, int);                                             \
+    int silu_mul_##SUFFIX(const void *, void *, int64_t, int64_t, int);
+DECLARE(bf16)
+DECLARE(f32)
+int linear_bf16(const void *, const void *, const void *, void *, int64_t, int64_t, int64_t, int);
+int linear_mixed(const void *, const void *, const void *, void *, int64_t, int64_t, int64_t, int);
 
 /* One layer's parameters and cache; mirrored by a ctypes.Structure in kernels/__init__.py. */
 typedef struct {
@@ -37,46 +48,74 @@ typedef struct {
     void *k_cache, *v_cache;              /* [kv_heads, cache_slots, head_dim] */
 } Layer;
 
+typedef struct {
+    size_t elem; /* bytes per activation */
+    norm_fn norm;
+    linear_fn linear;
+    rope_fn rope;
+    attention_fn attention;
+    silu_fn silu;
+} Ops;
+
 /* x: [T, hidden] the embeddings; out: [T, hidden] the last layer's output; residual: [T, hidden]
    the residual stream after it (the model's final norm adds the two). tables [T, max_blocks],
    lens [T]: each token's context as a decode row's. Returns nonzero if a buffer failed. */
-int llama_layers_bf16(const Layer *layers, int64_t num_layers, const void *x, void *out,
-                      void *residual, int64_t T, int64_t hidden, int64_t heads, int64_t kv_heads,
-                      int64_t head_dim, int64_t inter, float eps, float scale, const void *cos,
-                      const void *sin, const int64_t *slots, const int64_t *tables,
-                      const int64_t *lens, int64_t max_blocks, int64_t cache_slots,
-                      int64_t block_size, int num_threads) {
+static int layers(const Ops *ops, const Layer *layers, int64_t num_layers, const void *x,
+                  void *out, void *residual, int64_t T, int64_t hidden, int64_t heads,
+                  int64_t kv_heads, int64_t head_dim, int64_t inter, float eps, float scale,
+                  const void *cos, const void *sin, const int64_t *slots, const int64_t *tables,
+                  const int64_t *lens, int64_t max_blocks, int64_t cache_slots,
+                  int64_t block_size, int num_threads) {
     const int64_t width = (heads + 2 * kv_heads) * head_dim, q_dim = heads * head_dim;
-    /* bf16 buffers: h [T, hidden] | qkv [T, width] | q [T, q_dim] | attn [T, q_dim] |
+    const size_t e = ops->elem;
+    /* activation buffers: h [T, hidden] | qkv [T, width] | q [T, q_dim] | attn [T, q_dim] |
        y [T, hidden] | gate_up [T, 2 inter] | act [T, inter] */
-    uint16_t *buf = malloc(sizeof(uint16_t) * (size_t)T *
-                           (size_t)(2 * hidden + width + 2 * q_dim + 3 * inter));
+    char *buf = malloc(e * (size_t)T * (size_t)(2 * hidden + width + 2 * q_dim + 3 * inter));
     if (buf == NULL) return 1;
-    uint16_t *h = buf, *qkv = h + T * hidden, *q = qkv + T * width, *attn = q + T * q_dim;
-    uint16_t *y = attn + T * q_dim, *gate_up = y + T * hidden, *act = gate_up + T * 2 * inter;
+    char *h = buf, *qkv = h + e * T * hidden, *q = qkv + e * T * width, *attn = q + e * T * q_dim;
+    char *y = attn + e * T * q_dim, *gate_up = y + e * T * hidden;
+    char *act = gate_up + e * T * 2 * inter;
     int failed = 0;
     for (int64_t l = 0; l < num_layers && !failed; l++) {
         const Layer *w = layers + l;
         if (l == 0) {
-            add_rms_norm_bf16(x, NULL, w->input_norm, eps, h, T, hidden, num_threads);
-            memcpy(residual, x, sizeof(uint16_t) * (size_t)(T * hidden));
+            ops->norm(x, NULL, w->input_norm, eps, h, T, hidden, num_threads);
+            memcpy(residual, x, e * (size_t)(T * hidden));
         } else {
-            add_rms_norm_bf16(out, residual, w->input_norm, eps, h, T, hidden, num_threads);
+            ops->norm(out, residual, w->input_norm, eps, h, T, hidden, num_threads);
         }
-        linear_bf16(h, w->qkv, w->qkv_bias, qkv, T, width, hidden, num_threads);
-        rope_store_bf16(qkv, cos, sin, slots, w->k_cache, w->v_cache, T, heads, kv_heads,
-                        head_dim, cache_slots, num_threads);
+        ops->linear(h, w->qkv, w->qkv_bias, qkv, T, width, hidden, num_threads);
+        ops->rope(qkv, cos, sin, slots, w->k_cache, w->v_cache, T, heads, kv_heads, head_dim,
+                  cache_slots, num_threads);
         for (int64_t t = 0; t < T; t++)
-            memcpy(q + t * q_dim, qkv + t * width, sizeof(uint16_t) * (size_t)q_dim);
-        failed = paged_decode_attention_bf16(q, w->k_cache, w->v_cache, tables, lens, attn, T,
-                                             heads, kv_heads, head_dim, cache_slots / block_size,
-                                             block_size, max_blocks, scale, num_threads);
-        linear_bf16(attn, w->o, NULL, y, T, hidden, q_dim, num_threads);
-        add_rms_norm_bf16(y, residual, w->post_norm, eps, h, T, hidden, num_threads);
-        linear_bf16(h, w->gate_up, NULL, gate_up, T, 2 * inter, hidden, num_threads);
-        silu_mul_bf16(gate_up, act, T, inter, num_threads);
-        linear_bf16(act, w->down, NULL, out, T, hidden, inter, num_threads);
+            memcpy(q + e * t * q_dim, qkv + e * t * width, e * (size_t)q_dim);
+        failed = ops->attention(q, w->k_cache, w->v_cache, tables, lens, attn, T, heads,
+                                kv_heads, head_dim, cache_slots / block_size, block_size,
+                                max_blocks, scale, num_threads);
+        ops->linear(attn, w->o, NULL, y, T, hidden, q_dim, num_threads);
+        ops->norm(y, residual, w->post_norm, eps, h, T, hidden, num_threads);
+        ops->linear(h, w->gate_up, NULL, gate_up, T, 2 * inter, hidden, num_threads);
+        ops->silu(gate_up, act, T, inter, num_threads);
+        ops->linear(act, w->down, NULL, out, T, hidden, inter, num_threads);
     }
     free(buf);
     return failed;
 }
+
+#define LLAMA_LAYERS(NAME, ELEM, SUFFIX, LINEAR)                                                 \
+    int NAME(const Layer *l, int64_t n, const void *x, void *out, void *residual, int64_t T,    \
+             int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter,  \
+             float eps, float scale, const void *cos, const void *sin, const int64_t *slots,    \
+             const int64_t *tables, const int64_t *lens, int64_t max_blocks,                    \
+             int64_t cache_slots, int64_t block_size, int num_threads) {                         \
+        static const Ops ops = {ELEM, add_rms_norm_##SUFFIX, LINEAR, rope_store_##SUFFIX,        \
+                                paged_decode_attention_##SUFFIX, silu_mul_##SUFFIX};             \
+        return layers(&ops, l, n, x, out, residual, T, hidden, heads, kv_heads, head_dim, inter, \
+                      eps, scale, cos, sin, slots, tables, lens, max_blocks, cache_slots,        \
+                      block_size, num_threads);                                                  \
+    }
+
+/* bf16 activations over linear_bf16's packing (AVX512-BF16) */
+LLAMA_LAYERS(llama_layers_bf16, 2, bf16, linear_bf16)
+/* float32 activations over linear_mixed's packing (every other level) */
+LLAMA_LAYERS(llama_layers_f32, 4, f32, linear_mixed)

@@ -172,8 +172,8 @@ class LlamaForCausalLM(nn.Module):
         return self.norm.add_forward(x, residual)[0]
 
     def _native_layers(self, kv_cache: torch.Tensor, meta: AttentionMetadata) -> Any:
-        """The layer table of `kernels.llama_layers` where it runs this step's layers (bf16 on a
-        CPU, packed weights, one rank, no q/k norms or o_proj bias, every token attended as a
+        """The layer table of `kernels.llama_layers` where it runs this step's layers (on a CPU,
+        packed weights, one rank, no q/k norms or o_proj bias, every token attended as a
         decode row); None where the Python layers run."""
         if not meta.native_decode or meta.prefill_rows or kv_cache.device.type != "cpu":
             return None
@@ -183,14 +183,16 @@ class LlamaForCausalLM(nn.Module):
 
     def _layer_table(self, kv_cache: torch.Tensor) -> Any:
         attn = self.layers[0].self_attn
-        if (tp_size() > 1 or attn.qk_norm or kv_cache.dtype != torch.bfloat16
+        # bf16 over AVX512-BF16 packing (4-d weights), float32 over bf16 packing (3-d)
+        packed_dim = {torch.bfloat16: 4, torch.float32: 3}.get(kv_cache.dtype)
+        if (tp_size() > 1 or attn.qk_norm or packed_dim is None
                 or not kernels.supports(kv_cache.dtype, kv_cache.device)):
             return None
         table = (kernels.LlamaLayer * len(self.layers))()
         for i, layer in enumerate(self.layers):
             a, mlp = layer.self_attn, layer.mlp
             projections = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if any(p.weight.dim() != 4 for p in projections) or a.o_proj.bias is not None:
+            if any(p.weight.dim() != packed_dim for p in projections) or a.o_proj.bias is not None:
                 return None
             bias = a.qkv_proj.bias
             table[i] = kernels.LlamaLayer(

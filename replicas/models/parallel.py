@@ -2,8 +2,10 @@
 
 Every parameter carries a `weight_loader` that narrows the full checkpoint tensor to this rank's
 shard, so loading is one loop over the checkpoint. With tp_size 1 they are plain layers. Their
-matmuls go through `linear`: once loaded, `pack_weights` repacks bf16 weights on CPUs with
-AVX512-BF16 for the native kernel, which then multiplies at every size; torch does elsewhere."""
+matmuls go through `linear`: once loaded, `pack_weights` repacks weights for the native CPU
+kernels, which then multiply at every size: bf16 weights for AVX512-BF16's dot products, and
+float32 weights whose values are all bf16 (a bf16 checkpoint computing in float32 elsewhere) back
+to bf16, widened in registers; torch multiplies everything else."""
 
 from __future__ import annotations
 
@@ -25,8 +27,10 @@ def tp_size() -> int:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, out_features: int,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    if weight.dim() == 4:  # packed by pack_weights
+    if weight.dim() == 4:  # packed by pack_weights for bf16 dot products
         return kernels.linear(x, weight, out_features, bias)
+    if weight.dim() == 3:  # packed by pack_weights as bf16 for float32 compute
+        return kernels.linear_mixed(x, weight, out_features, bias)
     return F.linear(x, weight, bias)
 
 
@@ -138,13 +142,20 @@ LINEARS = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
 
 
 def pack_weights(model: nn.Module) -> int:
-    """Packs, in place, the weight of every linear layer (and the LM head) that the native CPU
-    kernel multiplies (`kernels.packs_linear`); returns how many. Call once, after loading: the
-    packed weight replaces the [out, in] one, which nothing reads afterwards."""
+    """Packs, in place, the weight of every linear layer (and the LM head) that a native CPU
+    kernel multiplies (`kernels.packs_linear`, `kernels.packs_mixed`); returns how many. Call
+    once, after loading: the packed weight replaces the [out, in] one, which nothing reads
+    afterwards (a tied LM head is packed apart from the embedding, which keeps its rows)."""
     packed = 0
     for module in model.modules():
-        if isinstance(module, LINEARS) and kernels.packs_linear(module.weight):
-            module.weight = nn.Parameter(kernels.pack_linear(module.weight.data),
-                                         requires_grad=False)
-            packed += 1
+        if not isinstance(module, LINEARS):
+            continue
+        weight = module.weight.data
+        if kernels.packs_linear(weight):
+            module.weight = nn.Parameter(kernels.pack_linear(weight), requires_grad=False)
+        elif kernels.packs_mixed(weight):
+            module.weight = nn.Parameter(kernels.pack_mixed(weight), requires_grad=False)
+        else:
+            continue
+        packed += 1
     return packed

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks.compare import (_serve_cmd, _variants, add_cli_args, engine_alone, split_warmups,
                                 table)
@@ -27,6 +28,25 @@ def test_variants_run_shardserve_with_their_flags() -> None:
     assert variant[-2:] == ["--stream-interval", "4"] and "--num-threads" not in variant
     with pytest.raises(ValueError, match="NAME=FLAGS"):
         _variants(_args("--shardserve-variant", "no-equals-sign"))
+
+
+def test_peers_compute_in_the_dtype_shardserve_picks(tmp_path: Path) -> None:
+    import transformers
+
+    from replicas.kernels import isa
+    transformers.LlamaConfig(dtype="bfloat16").save_pretrained(tmp_path)
+    args = _args("--vllm-python", "/venv/bin/python", "--concurrency", "8")
+    ours = _serve_cmd("shardserve", args, tmp_path, 9000)
+    assert ours[ours.index("--dtype") + 1] == "auto"
+    vllm = _serve_cmd("vllm", args, tmp_path, 9001)
+    assert vllm[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    expected = "bfloat16" if isa.compute_dtype() == torch.bfloat16 else "float32"
+    assert vllm[vllm.index("--dtype") + 1] == expected
+    assert vllm[vllm.index("--max-num-seqs") + 1] == "8"
+    fixed = _serve_cmd("vllm", _args("--vllm-python", "p", "--dtype", "bfloat16"), tmp_path, 1)
+    assert fixed[fixed.index("--dtype") + 1] == "bfloat16"
+    with pytest.raises(ValueError, match="--vllm-python"):
+        _serve_cmd("vllm", _args(), tmp_path, 9002)
 
 
 def test_warmups_are_not_measured() -> None:

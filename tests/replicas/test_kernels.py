@@ -230,3 +230,32 @@ def test_loading_the_kernels_leaves_subnormal_floats_alone() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300, check=True)
     assert out.stdout.split() == ["True", "True"], out.stdout + out.stderr
+
+
+# float32 compute over bf16-valued weights (linear_mixed), on every build: rows across the row
+# tile (6 or 8) and the 48-row block with remainders; n whole and ragged panels (8, 16 or 32)
+@pytest.mark.skipif(kernels.load() is None, reason="no native kernels here")
+@pytest.mark.parametrize("rows", [1, 5, 9, 50, 97])
+@pytest.mark.parametrize("n,k", [(8, 64), (13, 70), (37, 19), (96, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_mixed_matches_float32_linear(rows: int, n: int, k: int, bias: bool) -> None:
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=g)
+    w = torch.randn(n, k, generator=g).bfloat16().float()
+    b = torch.randn(n, generator=g) if bias else None
+    assert kernels.packs_mixed(w)
+    packed = kernels.pack_mixed(w)
+    assert packed.dtype == torch.bfloat16 and packed.numel() * 2 < w.numel() * 4 + 2 * 32 * k
+    out = kernels.linear_mixed(x, packed, n, b)
+    exact = x.double() @ w.double().T + (0 if b is None else b.double())
+    assert out.dtype == torch.float32 and out.shape == (rows, n)
+    # float32 sums in another order than torch's: within float32's rounding of the sum
+    bound = 1e-6 * (x.double().abs() @ w.double().abs().T) + 1e-6
+    assert ((out.double() - exact).abs() <= bound).all()
+
+
+def test_only_exact_bf16_weights_are_kept_as_bf16() -> None:
+    w = torch.randn(16, 32)
+    assert not kernels.packs_mixed(w)  # a float32 checkpoint keeps its precision
+    assert not kernels.packs_mixed(w.bfloat16())  # bf16 compute packs for dot products instead
+    assert kernels.packs_mixed(w.bfloat16().float()) is (kernels.load() is not None)

@@ -126,22 +126,30 @@ def test_bfloat16_decode_matches_transformers(tmp_path: Path, arch: str) -> None
             out = worker.execute(StepInput((RowInput((seq[-1],), len(seq) - 1, table, True),)))
 
 
-@pytest.mark.skipif(not PACKS or torch.cuda.is_available(),
-                    reason="the native layers run on CPUs with AVX512-BF16 (workers pick a GPU)")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="workers pick a GPU")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_native_layers_match_the_python_layers_bit_for_bit(tmp_path: Path, arch: str) -> None:
-    """bf16 on CPUs: every decoder layer in one native call (llama_layers.c) runs the Python
-    layers' kernels in their order, so the logits are the same to the bit, over steps mixing
-    fresh prefill, a chunk over a cached prefix and decode."""
+def test_native_layers_match_the_python_layers_bit_for_bit(tmp_path: Path, arch: str,
+                                                           dtype: str) -> None:
+    """On CPUs every decoder layer in one native call (llama_layers.c) runs the Python layers'
+    kernels in their order, so the logits are the same to the bit, over steps mixing fresh
+    prefill, a chunk over a cached prefix and decode: in bf16 over AVX512-BF16 packing, and in
+    float32 over a bf16 checkpoint's weights kept as bf16 (every build)."""
+    if dtype == "bfloat16" and not PACKS:
+        pytest.skip("bf16 layers run natively on CPUs with AVX512-BF16")
+    if kernels.load() is None:
+        pytest.skip("no native kernels here")
     torch.manual_seed(4)
-    _make(tmp_path, arch)
-    workers = [ShardWorker(WorkerConfig(str(tmp_path), "bfloat16", num_blocks=32,
+    hf = _make(tmp_path, arch)
+    hf.to(torch.bfloat16).save_pretrained(tmp_path)  # a bf16 checkpoint
+    workers = [ShardWorker(WorkerConfig(str(tmp_path), dtype, num_blocks=32,
                                         block_size=BLOCK)) for _ in range(2)]
     workers[1].runner.model._native_layers = lambda kv_cache, meta: None  # the Python layers
     a, b = [5, 17, 42, 7, 99, 3], list(range(40, 61))
     ta, tb = (2, 11), (7, 3, 14, 20, 9, 16)
     steps = [StepInput((RowInput(tuple(a), 0, ta, True), RowInput(tuple(b[:10]), 0, tb, False))),
-             StepInput((RowInput((9,), len(a), ta, True), RowInput(tuple(b[10:]), 10, tb, True)))]
+             StepInput((RowInput((9,), len(a), ta, True), RowInput(tuple(b[10:]), 10, tb, True))),
+             StepInput((RowInput((4,), len(a) + 1, ta, True), RowInput((8,), len(b), tb, True)))]
     for step in steps:
         native, python = (w.execute(step) for w in workers)
         assert torch.equal(native.logits, python.logits)

@@ -10,6 +10,7 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 from openai import OpenAI
 
 from tests.conftest import SMALL_MODEL, running_app
@@ -60,6 +61,21 @@ def test_chat_completion(client: OpenAI) -> None:
                            json={"messages": MESSAGES}).json()
     assert r.usage.prompt_tokens == tokenized["count"]
     assert r.usage.total_tokens == r.usage.prompt_tokens + 12
+
+
+def test_metrics_name_the_compute_dtype_and_kernel_isa(base_url: str) -> None:
+    from replicas.kernels import isa
+    expected = "gpu" if torch.cuda.is_available() else isa.selected()
+    deadline = time.monotonic() + 5  # the replicas report every 0.5 s
+    while True:
+        text = httpx.get(base_url.removesuffix("/v1") + "/metrics").text
+        info = [line for line in text.splitlines() if line.startswith("shardserve:model_info{")]
+        if info or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    # the embedded model is a float32 checkpoint: float32 on every CPU
+    assert info == [f'shardserve:model_info{{dtype="float32",isa="{expected}",'
+                    f'model_name="{MODEL}"}} 1.0'], info
 
 
 def test_sse_framing_and_usage(base_url: str) -> None:
