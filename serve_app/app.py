@@ -74,10 +74,12 @@ def build_app(config: AppConfig) -> Application:
 
 
 def deploy(config: AppConfig, app_name: str = "shardserve") -> None:
-    """Runs the application and its /health application; returns once both are running."""
-    serve.run(build_app(config), name=app_name, route_prefix="/", blocking=False)
-    serve.run(build_health_app(app_name), name=health_app_name(app_name),
-              route_prefix=HEALTH_ROUTE, blocking=False)
+    """Runs the application and its /health application; returns once both are running (they
+    start side by side: the health replica's start no longer waits for the model's)."""
+    serve.run_many([
+        serve.RunTarget(build_app(config), name=app_name, route_prefix="/"),
+        serve.RunTarget(build_health_app(app_name), name=health_app_name(app_name),
+                        route_prefix=HEALTH_ROUTE)])
 
 
 def undeploy(app_name: str = "shardserve") -> None:

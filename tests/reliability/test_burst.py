@@ -17,7 +17,10 @@ from tests.conftest import SMALL_MODEL, running_app
 pytestmark = pytest.mark.slow
 
 MODEL = "shardserve/tiny-llama"
-DEADLINE_S = 3.0
+# the bound under test is this deadline + 2 s; shedding 1,000 connections takes the ingress 2-4 s
+# of one core's CPU (Serve's per-request work), on 2 cores shared with the engine and this
+# test's own client: on an AVX2-only box the last refusal of the first burst came after 4-6 s
+DEADLINE_S = 5.0
 BURST = 1000
 CONFIG = {"models": [{**SMALL_MODEL, "max_num_seqs": 4, "max_waiting": 8}],
           "max_queue_wait_s": DEADLINE_S}

@@ -22,7 +22,7 @@ from tests.conftest import SMALL_MODEL, running_app
 
 pytestmark = pytest.mark.slow
 
-EXAMPLES = 60  # per operation and phase: ~1.5 minutes on 2 cores
+EXAMPLES = 25  # per operation and phase: ~1.5 minutes for the two generation routes on 2 cores
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def test_still_serving_after_the_fuzzing(base_url: str) -> None:
     # the fuzzing ran, and not only into validation: valid requests reached the engine
     for op in ("POST /v1/chat/completions", "POST /v1/completions"):
         assert sum(n for (o, _), n in STATUSES.items() if o == op) >= EXAMPLES, STATUSES
-        assert STATUSES[op, 200] >= 10, STATUSES
+        assert STATUSES[op, 200] >= 5, STATUSES
     root = base_url.removesuffix("/v1")
     assert httpx.get(f"{root}/health", timeout=10).status_code == 200
     r = httpx.post(f"{base_url}/chat/completions", timeout=60, json={
