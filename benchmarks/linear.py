@@ -5,7 +5,9 @@ In float32 the kernel is `linear_mixed` over the weights kept as bf16 (what a bf
 runs on CPUs without bf16 dot products) against torch's float32 F.linear (MKL) over the same
 values; in bf16 it is `linear_bf16` (AVX512-BF16 builds) against torch's bf16 F.linear. Every
 layer of the step is multiplied in turn (each weight from memory, as in a decode step), and the
-kernels' ISA build is the one `SHARDSERVE_ISA` or the CPU selects."""
+kernels' ISA build is the one `SHARDSERVE_ISA` or the CPU selects. The box's float32 peak is
+measured first with a register-only FMA loop of the same build (`kernels.fma_peak_gflops`), and
+each row count's share of it reported."""
 
 from __future__ import annotations
 
@@ -68,6 +70,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 raise SystemExit(f"no native {args.dtype} linear on this build ({isa.selected()})")
             layers.append((name, n, k, w, packed))
     flops_per_row = sum(2 * n * k for _, n, k, _, _ in layers)
+    peak = kernels.fma_peak_gflops()
     weight_bytes = {"native": sum(p.numel() * p.element_size() for *_, p in layers),
                     "torch": sum(w.numel() * w.element_size() for _, _, _, w, _ in layers)}
     rows_out = []
@@ -96,8 +99,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "torch_gflops": m * flops_per_row / med["torch"] / 1e9,
             "native_weight_gbs": weight_bytes["native"] / med["native"] / 1e9,
             "torch_weight_gbs": weight_bytes["torch"] / med["torch"] / 1e9,
-            "speedup": med["torch"] / med["native"]})
+            "speedup": med["torch"] / med["native"],
+            "native_of_peak": m * flops_per_row / med["native"] / 1e9 / peak})
     return {"model": args.model, "dtype": args.dtype, "isa": isa.selected(),
+            "fma_peak_gflops": peak,
             "cpu": _cpu_name(), "threads": torch.get_num_threads(),
             "layers": config.num_hidden_layers, "rows": rows_out}
 
@@ -115,14 +120,15 @@ def _cpu_name() -> str:
 def run_cli(args: argparse.Namespace) -> int:
     result = run(args)
     print(f"{result['model']}: all {result['layers']} layers' projections, {result['dtype']}, "
-          f"ISA {result['isa']}, {result['threads']} threads, {result['cpu']}")
+          f"ISA {result['isa']}, {result['threads']} threads, {result['cpu']}; float32 FMA "
+          f"peak {result['fma_peak_gflops']:.1f} GFLOP/s")
     print(f"{'rows':>6}{'native ms':>11}{'torch ms':>10}{'native GF/s':>13}{'torch GF/s':>12}"
-          f"{'native GB/s':>13}{'torch GB/s':>12}{'speedup':>9}")
+          f"{'native GB/s':>13}{'torch GB/s':>12}{'speedup':>9}{'of peak':>9}")
     for r in result["rows"]:
         print(f"{r['rows']:>6}{r['native_ms']:>11.2f}{r['torch_ms']:>10.2f}"
               f"{r['native_gflops']:>13.1f}{r['torch_gflops']:>12.1f}"
               f"{r['native_weight_gbs']:>13.1f}{r['torch_weight_gbs']:>12.1f}"
-              f"{r['speedup']:>8.2f}x")
+              f"{r['speedup']:>8.2f}x{100 * r['native_of_peak']:>8.0f}%")
     if args.result_json:
         args.result_json.write_text(json.dumps(result, indent=1))
     return 0

@@ -35,6 +35,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from functools import cache
 from importlib.util import find_spec
@@ -110,6 +111,7 @@ _SINGLE_SIGNATURES = {
     "linear_bf16": [_PTR] * 4 + [_I64] * 3 + [_INT], "linear_bf16_fast": [],
     "linear_mixed": [_PTR] * 4 + [_I64] * 3 + [_INT], "linear_mixed_panel": [],
     "llama_layers_bf16": _LAYERS, "llama_layers_f32": _LAYERS,
+    "fma_peak": [_I64, _INT],
 }
 
 
@@ -121,7 +123,7 @@ def _declare(lib: ctypes.CDLL) -> None:
             fn.argtypes = argtypes
     for name, argtypes in _SINGLE_SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.restype = ctypes.c_int
+        fn.restype = ctypes.c_double if name == "fma_peak" else ctypes.c_int
         fn.argtypes = argtypes
 
 
@@ -340,6 +342,20 @@ def linear_mixed(x: torch.Tensor, packed: torch.Tensor, out_features: int,
                             None if bias is None else bias.data_ptr(), out.data_ptr(),
                             rows.shape[0], out_features, k, torch.get_num_threads())
     return out.view(*x.shape[:-1], out_features)
+
+
+def fma_peak_gflops(seconds: float = 1.0) -> float:
+    """This build's float32 FMA peak on torch's thread count, GFLOP/s (a register-only loop:
+    the ceiling the linear kernels are measured against)."""
+    fn, threads = _kernel("fma_peak"), torch.get_num_threads()
+    iterations = 1 << 20
+    while True:
+        started = time.perf_counter()
+        flops = fn(iterations, threads)
+        elapsed = time.perf_counter() - started
+        if elapsed >= seconds:
+            return flops / elapsed / 1e9
+        iterations *= 2
 
 
 class LlamaLayer(ctypes.Structure):

@@ -33,6 +33,20 @@
 #define PANEL 32 /* output columns per panel: two 16-lane vectors */
 #define ROWS 8   /* rows of x per tile: 16 accumulators */
 
+/* TILE(..., MT) for the 1..7 rows left after the whole tiles, MT a constant at each call so the
+   tile's accumulators stay in registers */
+#define TAIL_TILES(TILE, LEFT, ...)            \
+    switch (LEFT) {                            \
+        case 7: TILE(__VA_ARGS__, 7); break;   \
+        case 6: TILE(__VA_ARGS__, 6); break;   \
+        case 5: TILE(__VA_ARGS__, 5); break;   \
+        case 4: TILE(__VA_ARGS__, 4); break;   \
+        case 3: TILE(__VA_ARGS__, 3); break;   \
+        case 2: TILE(__VA_ARGS__, 2); break;   \
+        case 1: TILE(__VA_ARGS__, 1); break;   \
+        default: break;                        \
+    }
+
 int linear_bf16_fast(void) { return HAVE_DPBF16; }
 
 #if HAVE_DPBF16
@@ -85,16 +99,7 @@ static void panel_rows(const uint16_t *x, const uint16_t *panel, const uint16_t 
                        uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t n0) {
     int64_t m = 0;
     for (; m + ROWS <= M; m += ROWS) tile(x, panel, bias, y, N, K, m, n0, ROWS);
-    switch (M - m) {
-        case 7: tile(x, panel, bias, y, N, K, m, n0, 7); break;
-        case 6: tile(x, panel, bias, y, N, K, m, n0, 6); break;
-        case 5: tile(x, panel, bias, y, N, K, m, n0, 5); break;
-        case 4: tile(x, panel, bias, y, N, K, m, n0, 4); break;
-        case 3: tile(x, panel, bias, y, N, K, m, n0, 3); break;
-        case 2: tile(x, panel, bias, y, N, K, m, n0, 2); break;
-        case 1: tile(x, panel, bias, y, N, K, m, n0, 1); break;
-        default: break;
-    }
+    TAIL_TILES(tile, M - m, x, panel, bias, y, N, K, m, n0)
 }
 
 #endif
@@ -173,9 +178,9 @@ KERNEL_INLINE vf widen(const uint16_t *p) {
 
 KERNEL_INLINE void mixed_tile(const float *x, const uint16_t *panel, const float *bias, float *y,
                               int64_t N, int64_t K, int64_t m0, int64_t n0, int MT) {
-    vf acc[MIXED_ROWS][2];
+    vf acc[8][2]; /* room for any tail (TAIL_TILES); only MT of them are used */
     for (int i = 0; i < MT; i++) acc[i][0] = acc[i][1] = (vf){0};
-    const float *xr[MIXED_ROWS];
+    const float *xr[8];
     for (int i = 0; i < MT; i++) xr[i] = x + (m0 + i) * K;
     for (int64_t k = 0; k < K; k++) {
         const vf w0 = widen(panel + k * PANEL_MIXED), w1 = widen(panel + k * PANEL_MIXED + LANES);
@@ -207,18 +212,7 @@ static void mixed_panel_rows(const float *x, const uint16_t *panel, const float 
     int64_t m = m0;
     for (; m + MIXED_ROWS <= m1; m += MIXED_ROWS)
         mixed_tile(x, panel, bias, y, N, K, m, n0, MIXED_ROWS);
-    switch (m1 - m) {
-#if MIXED_ROWS > 7
-        case 7: mixed_tile(x, panel, bias, y, N, K, m, n0, 7); break;
-        case 6: mixed_tile(x, panel, bias, y, N, K, m, n0, 6); break;
-#endif
-        case 5: mixed_tile(x, panel, bias, y, N, K, m, n0, 5); break;
-        case 4: mixed_tile(x, panel, bias, y, N, K, m, n0, 4); break;
-        case 3: mixed_tile(x, panel, bias, y, N, K, m, n0, 3); break;
-        case 2: mixed_tile(x, panel, bias, y, N, K, m, n0, 2); break;
-        case 1: mixed_tile(x, panel, bias, y, N, K, m, n0, 1); break;
-        default: break;
-    }
+    TAIL_TILES(mixed_tile, m1 - m, x, panel, bias, y, N, K, m, n0)
 }
 
 /* x [M, K] float32, packed w (above), bias [N] float32 or NULL, y [M, N] float32. */
@@ -236,4 +230,25 @@ int linear_mixed(const void *x, const void *w, const void *bias, void *y, int64_
             mixed_panel_rows(xs, ws + t * panel_size, bs, ys, m0, m1, N, K, t * PANEL_MIXED);
     }
     return 0;
+}
+
+/* The build's float32 FMA peak, for `bench linear`: each thread runs 12 independent chains of
+   vector FMAs (enough to cover the FMA latency on every target) in registers, `iterations`
+   times; returns the floating-point operations done. */
+double fma_peak(int64_t iterations, int num_threads) {
+    double total = 0.0;
+#pragma omp parallel num_threads(num_threads) reduction(+ : total)
+    {
+        vf acc[12];
+        const vf scale = (vf){0} + 0.999999f, step = (vf){0} + 1e-7f;
+        for (int i = 0; i < 12; i++) acc[i] = (vf){0} + (float)i;
+        for (int64_t it = 0; it < iterations; it++)
+            for (int i = 0; i < 12; i++) acc[i] = acc[i] * scale + step;
+        float sink = 0.0f;
+        for (int i = 0; i < 12; i++)
+            for (int l = 0; l < LANES; l++) sink += acc[i][l];
+        /* the sum is used, so the chains are computed; it adds nothing measurable */
+        total += 2.0 * LANES * 12 * (double)iterations + (sink == 12345.0f ? 1.0 : 0.0);
+    }
+    return total;
 }

@@ -26,9 +26,11 @@ def test_bench_linear_times_both_on_every_row_count() -> None:
     args = p.parse_args(["--model", "shardserve/tiny-llama", "--rows", "1,7", "--rounds", "1"])
     result = run(args)
     assert [r["rows"] for r in result["rows"]] == [1, 7]
+    assert result["fma_peak_gflops"] > 0
     for r in result["rows"]:
         assert r["native_ms"] > 0 and r["torch_ms"] > 0
         assert r["speedup"] == pytest.approx(r["torch_ms"] / r["native_ms"])
+        assert r["native_of_peak"] == pytest.approx(r["native_gflops"] / result["fma_peak_gflops"])
         # bf16 weights: the kernel reads half the bytes torch's float32 weights take
         assert r["native_weight_gbs"] / r["torch_weight_gbs"] == pytest.approx(
             r["speedup"] / 2, rel=0.05)
