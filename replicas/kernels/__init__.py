@@ -9,7 +9,9 @@ cache, `activation.c` the gated MLP's silu(gate) * up. Each rounds as torch does
 dtype (`dtype.h`). `linear.c` replaces torch's matmul over weights packed once after loading:
 in bf16 with AVX512-BF16 dot products (`pack_linear`: 1.4x torch at 32 rows, 1.06x at 2048, a
 single row's weights streamed at 2.5x torch's rate), and in float32 over a bf16 checkpoint's
-weights kept as bf16 and widened in registers on every other CPU (`pack_mixed`, `linear_mixed`).
+weights kept as bf16 and widened in registers on every other CPU (`pack_mixed`, `linear_mixed`);
+`quant_linear.c` in float32 over 4- and 8-bit block-quantized weights (GGUF's Q4_0, Q4_1, Q8_0;
+`replicas/quant.py` packs them), unpacked in registers (`linear_q`).
 `llama_layers.c` runs all of a Llama-family model's decoder layers of a step in one call over
 those kernels (`llama_layers`, bf16 or float32).
 
@@ -49,8 +51,8 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = tuple(Path(__file__).with_name(name) for name in
                  ("paged_attention.c", "rms_norm.c", "rotary.c", "activation.c", "linear.c",
-                  "llama_layers.c"))
-_HEADERS = tuple(Path(__file__).with_name(name) for name in ("dtype.h",))
+                  "quant_linear.c", "llama_layers.c"))
+_HEADERS = tuple(Path(__file__).with_name(name) for name in ("dtype.h", "vec.h"))
 # the target flags come from the ISA level (isa.FLAGS), not -march=native: a build is chosen by
 # level at run time, can be forced to a lower one, and a cache shared by nodes of one level fits all
 _FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-std=gnu11", "-fPIC")
@@ -110,7 +112,8 @@ _LAYERS = [_PTR, _I64] + [_PTR] * 3 + [_I64] * 6 + [_F32] * 2 + [_PTR] * 5 + [_I
 _SINGLE_SIGNATURES = {
     "linear_bf16": [_PTR] * 4 + [_I64] * 3 + [_INT], "linear_bf16_fast": [],
     "linear_mixed": [_PTR] * 4 + [_I64] * 3 + [_INT], "linear_mixed_panel": [],
-    "llama_layers_bf16": _LAYERS, "llama_layers_f32": _LAYERS,
+    "linear_q": [_PTR] * 4 + [_I64] * 3 + [_INT],
+    "llama_layers_bf16": _LAYERS, "llama_layers_f32": _LAYERS, "llama_layers_q": _LAYERS,
     "fma_peak": [_I64, _INT],
 }
 
@@ -198,7 +201,9 @@ def packs_mixed(weight: torch.Tensor) -> bool:
 
 
 @cache
-def _mixed_panel() -> int:
+def float32_panel() -> int:
+    """Output columns per panel of the float32 linears (`linear_mixed`, `linear_q`) in this
+    build: two vectors."""
     lib = load()
     return int(lib.linear_mixed_panel()) if lib is not None else 0
 
@@ -207,7 +212,7 @@ def pack_mixed(weight: torch.Tensor) -> torch.Tensor:
     """float32 weight [N, K] -> bf16 [ceil(N/P), K, P], P this build's panel, zero-padded past N:
     the layout `linear_mixed` reads (see linear.c)."""
     n, k = weight.shape
-    panel = _mixed_panel()
+    panel = float32_panel()
     padded = weight.new_zeros(-(-n // panel) * panel, k, dtype=torch.bfloat16)
     padded[:n] = weight
     return padded.view(-1, panel, k).transpose(1, 2).contiguous()
@@ -344,6 +349,33 @@ def linear_mixed(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     return out.view(*x.shape[:-1], out_features)
 
 
+def supports_quantized(device: torch.device) -> bool:
+    """Whether `linear_q` multiplies block-quantized weights on `device` (CPUs with the native
+    kernels)."""
+    return device.type == "cpu" and load() is not None
+
+
+def linear_q(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [out_features, K]^T (+ bias) in float32 over `quant.pack(...)` of a
+    block-quantized weight, as F.linear over its dequantized values up to the order of the float32
+    additions. Call only where `supports_quantized` holds."""
+    if x.dtype != torch.float32 or packed.dtype != torch.uint8 or (
+            bias is not None and bias.dtype != torch.float32):
+        raise ValueError("linear_q takes float32 inputs and bias over a packed uint8 weight")
+    k = x.shape[-1]
+    rows = x.reshape(-1, k).contiguous()
+    bias = None if bias is None else bias.contiguous()
+    out = x.new_empty((rows.shape[0], out_features))
+    failed = _kernel("linear_q")(rows.data_ptr(), packed.data_ptr(),
+                                 None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                 rows.shape[0], out_features, k, torch.get_num_threads())
+    if failed:
+        raise ValueError(f"linear_q: the packed weight is not a [{out_features}, {k}] weight "
+                         "packed for this build")
+    return out.view(*x.shape[:-1], out_features)
+
+
 def fma_peak_gflops(seconds: float = 1.0) -> float:
     """This build's float32 FMA peak on torch's thread count, GFLOP/s (a register-only loop:
     the ceiling the linear kernels are measured against)."""
@@ -379,6 +411,7 @@ class LlamaShape:
     inter: int
     eps: float
     scale: float
+    quantized: bool = False  # projections packed by quant.pack (float32 activations)
 
 
 def llama_layers(layers: ctypes.Array, shape: LlamaShape, x: torch.Tensor, cos: torch.Tensor,
@@ -395,7 +428,8 @@ def llama_layers(layers: ctypes.Array, shape: LlamaShape, x: torch.Tensor, cos: 
         raise ValueError("llama_layers wants contiguous cos, sin and int64 slots, tables, lens")
     x = x.contiguous()
     out, residual = torch.empty_like(x), torch.empty_like(x)
-    name = {torch.bfloat16: "llama_layers_bf16", torch.float32: "llama_layers_f32"}[x.dtype]
+    name = "llama_layers_q" if shape.quantized else {
+        torch.bfloat16: "llama_layers_bf16", torch.float32: "llama_layers_f32"}[x.dtype]
     failed = _kernel(name)(
         layers, len(layers), x.data_ptr(), out.data_ptr(), residual.data_ptr(), x.shape[0],
         shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.inter, shape.eps,

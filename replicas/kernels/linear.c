@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "dtype.h"
+#include "vec.h"
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #define HAVE_DPBF16 1
@@ -32,20 +33,6 @@
 
 #define PANEL 32 /* output columns per panel: two 16-lane vectors */
 #define ROWS 8   /* rows of x per tile: 16 accumulators */
-
-/* TILE(..., MT) for the 1..7 rows left after the whole tiles, MT a constant at each call so the
-   tile's accumulators stay in registers */
-#define TAIL_TILES(TILE, LEFT, ...)            \
-    switch (LEFT) {                            \
-        case 7: TILE(__VA_ARGS__, 7); break;   \
-        case 6: TILE(__VA_ARGS__, 6); break;   \
-        case 5: TILE(__VA_ARGS__, 5); break;   \
-        case 4: TILE(__VA_ARGS__, 4); break;   \
-        case 3: TILE(__VA_ARGS__, 3); break;   \
-        case 2: TILE(__VA_ARGS__, 2); break;   \
-        case 1: TILE(__VA_ARGS__, 1); break;   \
-        default: break;                        \
-    }
 
 int linear_bf16_fast(void) { return HAVE_DPBF16; }
 
@@ -136,30 +123,6 @@ int linear_bf16(const void *x, const void *w, const void *bias, void *y, int64_t
    the panel. Rows go in blocks that stay in L2 while the panels (split across threads) pass over
    them. */
 
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
-#if defined(__AVX512F__)
-#define VBYTES 64
-#define MIXED_ROWS 8
-#elif defined(__AVX__)
-#define VBYTES 32
-#define MIXED_ROWS 6
-#elif defined(__aarch64__)
-#define VBYTES 16
-#define MIXED_ROWS 8
-#else
-#define VBYTES 16
-#define MIXED_ROWS 6
-#endif
-#define LANES (VBYTES / 4)
-#define PANEL_MIXED (2 * LANES)
-#define ROW_BLOCK 48 /* rows of x per block: 48 x 1536 floats is 288 KiB */
-
-typedef float vf __attribute__((vector_size(VBYTES)));
-typedef uint32_t vu __attribute__((vector_size(VBYTES)));
-typedef uint16_t vh __attribute__((vector_size(VBYTES / 2)));
-
 int linear_mixed_panel(void) { return PANEL_MIXED; }
 
 /* LANES bf16 at p as float32: one zero-extending load and a shift (GCC splits the generic
@@ -190,30 +153,10 @@ KERNEL_INLINE void mixed_tile(const float *x, const uint16_t *panel, const float
             acc[i][1] += xv * w1;
         }
     }
-    for (int h = 0; h < 2; h++) {
-        const int64_t c0 = n0 + LANES * h;
-        if (c0 >= N) break;
-        vf b = (vf){0};
-        if (bias) {
-            if (N - c0 >= LANES) memcpy(&b, bias + c0, sizeof b);
-            else for (int64_t c = c0; c < N; c++) b[c - c0] = bias[c];
-        }
-        for (int i = 0; i < MT; i++) {
-            const vf v = acc[i][h] + b;
-            float *row = y + (m0 + i) * N + c0;
-            if (N - c0 >= LANES) memcpy(row, &v, sizeof v);
-            else for (int64_t c = c0; c < N; c++) row[c - c0] = v[c - c0];
-        }
-    }
+    store_rows(acc, bias, y, N, m0, n0, MT);
 }
 
-static void mixed_panel_rows(const float *x, const uint16_t *panel, const float *bias, float *y,
-                             int64_t m0, int64_t m1, int64_t N, int64_t K, int64_t n0) {
-    int64_t m = m0;
-    for (; m + MIXED_ROWS <= m1; m += MIXED_ROWS)
-        mixed_tile(x, panel, bias, y, N, K, m, n0, MIXED_ROWS);
-    TAIL_TILES(mixed_tile, m1 - m, x, panel, bias, y, N, K, m, n0)
-}
+PANEL_ROWS(mixed_panel_rows, mixed_tile, uint16_t)
 
 /* x [M, K] float32, packed w (above), bias [N] float32 or NULL, y [M, N] float32. */
 int linear_mixed(const void *x, const void *w, const void *bias, void *y, int64_t M, int64_t N,

@@ -1,5 +1,6 @@
 /* Every decoder layer of a Llama-family model (Llama, Mistral, Qwen2) on CPUs, in one call per
-   step (bf16 over AVX512-BF16-packed weights, or float32 over bf16 weights widened in registers): the same kernels the Python layers call, in the same order, so the hidden states
+   step (bf16 over AVX512-BF16-packed weights; float32 over bf16 weights widened in registers, or
+   over 4/8-bit block-quantized weights): the same kernels the Python layers call, in the same order, so the hidden states
    are bit-identical, without the Python between them.
 
    Per layer the Python path made ~25 interpreter-level calls (modules, kernel wrappers, views,
@@ -39,6 +40,7 @@ DECLARE(bf16)
 DECLARE(f32)
 int linear_bf16(const void *, const void *, const void *, void *, int64_t, int64_t, int64_t, int);
 int linear_mixed(const void *, const void *, const void *, void *, int64_t, int64_t, int64_t, int);
+int linear_q(const void *, const void *, const void *, void *, int64_t, int64_t, int64_t, int);
 
 /* One layer's parameters and cache; mirrored by a ctypes.Structure in kernels/__init__.py. */
 typedef struct {
@@ -119,3 +121,5 @@ static int layers(const Ops *ops, const Layer *layers, int64_t num_layers, const
 LLAMA_LAYERS(llama_layers_bf16, 2, bf16, linear_bf16)
 /* float32 activations over linear_mixed's packing (every other level) */
 LLAMA_LAYERS(llama_layers_f32, 4, f32, linear_mixed)
+/* float32 activations over block-quantized weights (quant_linear.c's packing) */
+LLAMA_LAYERS(llama_layers_q, 4, f32, linear_q)

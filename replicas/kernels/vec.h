@@ -1,0 +1,82 @@
+/* The float32 vector types of this build's ISA level (GCC vector extensions: the same source gets
+   each level's width), the panel and row tile the float32 linears share, and their tail-tile
+   switch. Included by linear.c (bf16 weights widened in registers) and quant_linear.c
+   (block-quantized weights unpacked in registers). */
+#pragma once
+#include <stdint.h>
+#include <string.h>
+
+#include "dtype.h"
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX512F__)
+#define VBYTES 64
+#define MIXED_ROWS 8
+#elif defined(__AVX__)
+#define VBYTES 32
+#define MIXED_ROWS 6
+#elif defined(__aarch64__)
+#define VBYTES 16
+#define MIXED_ROWS 8
+#else
+#define VBYTES 16
+#define MIXED_ROWS 6
+#endif
+#define LANES (VBYTES / 4)
+#define PANEL_MIXED (2 * LANES) /* output columns per panel: two vectors */
+#define ROW_BLOCK 48 /* rows of x per block: 48 x 1536 floats is 288 KiB */
+
+typedef float vf __attribute__((vector_size(VBYTES)));
+typedef uint32_t vu __attribute__((vector_size(VBYTES)));
+typedef int32_t vi __attribute__((vector_size(VBYTES)));
+typedef uint16_t vh __attribute__((vector_size(VBYTES / 2)));
+typedef uint8_t vb __attribute__((vector_size(VBYTES / 4)));
+typedef int8_t vsb __attribute__((vector_size(VBYTES / 4)));
+
+/* TILE(..., MT) for the 1..7 rows left after the whole tiles, MT a constant at each call so the
+   tile's accumulators stay in registers */
+#define TAIL_TILES(TILE, LEFT, ...)            \
+    switch (LEFT) {                            \
+        case 7: TILE(__VA_ARGS__, 7); break;   \
+        case 6: TILE(__VA_ARGS__, 6); break;   \
+        case 5: TILE(__VA_ARGS__, 5); break;   \
+        case 4: TILE(__VA_ARGS__, 4); break;   \
+        case 3: TILE(__VA_ARGS__, 3); break;   \
+        case 2: TILE(__VA_ARGS__, 2); break;   \
+        case 1: TILE(__VA_ARGS__, 1); break;   \
+        default: break;                        \
+    }
+
+/* a tile's accumulators (+ bias) into rows m0 .. m0+MT of y, columns n0 .. n0+PANEL_MIXED (those
+   below N) */
+KERNEL_INLINE void store_rows(vf acc[8][2], const float *bias, float *y, int64_t N, int64_t m0,
+                              int64_t n0, int MT) {
+    for (int h = 0; h < 2; h++) {
+        const int64_t c0 = n0 + LANES * h;
+        if (c0 >= N) break;
+        vf b = (vf){0};
+        if (bias) {
+            if (N - c0 >= LANES) memcpy(&b, bias + c0, sizeof b);
+            else for (int64_t c = c0; c < N; c++) b[c - c0] = bias[c];
+        }
+        for (int i = 0; i < MT; i++) {
+            const vf v = acc[i][h] + b;
+            float *row = y + (m0 + i) * N + c0;
+            if (N - c0 >= LANES) memcpy(row, &v, sizeof v);
+            else for (int64_t c = c0; c < N; c++) row[c - c0] = v[c - c0];
+        }
+    }
+}
+
+/* NAME(x, panel, bias, y, m0, m1, N, K, n0): rows m0 .. m1 of x against one panel of W, in
+   tiles of MIXED_ROWS and a tail */
+#define PANEL_ROWS(NAME, TILE, W)                                                  \
+    static void NAME(const float *x, const W *panel, const float *bias, float *y,     \
+                     int64_t m0, int64_t m1, int64_t N, int64_t K, int64_t n0) {      \
+        int64_t m = m0;                                                                \
+        for (; m + MIXED_ROWS <= m1; m += MIXED_ROWS)                                  \
+            TILE(x, panel, bias, y, N, K, m, n0, MIXED_ROWS);                          \
+        TAIL_TILES(TILE, m1 - m, x, panel, bias, y, N, K, m, n0)                       \
+    }

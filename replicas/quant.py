@@ -1,0 +1,112 @@
+"""Block-quantized weights: the GGML block formats shardserve multiplies natively (Q4_0, Q4_1,
+Q8_0), their dequantization, weight-only int8 quantization of float weights, and the packing the
+native kernel reads (`kernels/quant_linear.c`: panels of output columns, one record per 32-weight
+block, behind a 64-byte header that names the type and shape).
+
+Raw weights are GGUF's own rows: a [rows, blocks * block_bytes] uint8 tensor, each block a
+float16 scale d (Q4_1: then a float16 offset m) and its quants: Q4 packs element j in the low
+nibble and element j + 16 in the high nibble of byte j; Q8_0 is 32 int8. Weight = d * q (Q8_0),
+d * (q - 8) (Q4_0), d * q + m (Q4_1)."""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 32  # weights per block, in every native format
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    name: str
+    ggml_type: int  # GGMLQuantizationType's value
+    block_bytes: int
+
+
+Q4_0 = BlockFormat("Q4_0", 2, 18)
+Q4_1 = BlockFormat("Q4_1", 3, 20)
+Q8_0 = BlockFormat("Q8_0", 8, 34)
+NATIVE: dict[int, BlockFormat] = {f.ggml_type: f for f in (Q4_0, Q4_1, Q8_0)}
+
+# the kernel's record types and header (quant_linear.c)
+_KERNEL_Q4, _KERNEL_Q8 = 0, 1
+_MAGIC = 0x51535353
+HEADER_BYTES = 64
+
+
+def _blocks(raw: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """[rows, row_bytes] -> [rows, blocks, block_bytes], checking the row is whole blocks."""
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % fmt.block_bytes:
+        raise ValueError(f"{fmt.name} rows must be uint8 [rows, k/{BLOCK} * {fmt.block_bytes}], "
+                         f"got {raw.dtype} {tuple(raw.shape)}")
+    return raw.view(raw.shape[0], -1, fmt.block_bytes)
+
+
+def _halves(b: torch.Tensor) -> torch.Tensor:
+    """[..., 2] bytes -> [...] float32 (little-endian float16)."""
+    return b.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def dequantize(raw: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """Raw rows -> float32 [rows, k]: the reference every kernel is tested against."""
+    b = _blocks(raw, fmt)
+    d = _halves(b[..., 0:2]).unsqueeze(-1)
+    if fmt is Q8_0:
+        q = b[..., 2:].contiguous().view(torch.int8).float()
+        w = d * q
+    else:
+        qs = b[..., 4:] if fmt is Q4_1 else b[..., 2:]
+        q = torch.cat([qs & 15, qs >> 4], dim=-1).float()  # element j, then j + 16
+        w = d * q + _halves(b[..., 2:4]).unsqueeze(-1) if fmt is Q4_1 else d * (q - 8)
+    return w.reshape(raw.shape[0], -1)
+
+
+def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """float weight [n, k] (k a multiple of 32) -> Q8_0 raw rows, as llama.cpp rounds them:
+    d = max|w| / 127 per block, q = round(w / d)."""
+    n, k = weight.shape
+    if k % BLOCK:
+        raise ValueError(f"int8 quantization needs input features divisible by {BLOCK}, got {k}")
+    w = weight.float().reshape(n, k // BLOCK, BLOCK)
+    d = w.abs().amax(dim=-1, keepdim=True) / 127.0
+    q = torch.where(d > 0, w / torch.where(d > 0, d, 1.0), 0.0).round().clamp(-127, 127)
+    scale = d.to(torch.float16).view(torch.uint8).reshape(n, k // BLOCK, 2)
+    quants = q.to(torch.int8).view(torch.uint8)
+    return torch.cat([scale, quants], dim=-1).reshape(n, -1)
+
+
+def embedding(ids: torch.Tensor, raw: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """The float32 rows `ids` of a quantized embedding table, dequantized as gathered."""
+    flat = ids.reshape(-1)
+    return dequantize(raw[flat], fmt).view(*ids.shape, -1)
+
+
+def pack(raw: torch.Tensor, fmt: BlockFormat, panel: int) -> torch.Tensor:
+    """Raw rows [n, ...] of an [n, k] weight -> the 1-d uint8 buffer `kernels.linear_q` reads:
+    the header, then ceil(n / panel) panels of k / 32 records (quant_linear.c), rows past n
+    zero (d = m = 0: they compute zeros)."""
+    b = _blocks(raw, fmt)
+    n, blocks = b.shape[0], b.shape[1]
+    k = blocks * BLOCK
+    if fmt is Q4_0:  # d * (q - 8) = d * q + m with m = -8 d: one 4-bit kernel for both
+        d = b[..., 0:2].contiguous().view(torch.float16)
+        m = (d * -8).view(torch.uint8)
+        b = torch.cat([b[..., 0:2], m, b[..., 2:]], dim=-1)
+    padded_n = -(-n // panel) * panel
+    if padded_n != n:
+        b = torch.cat([b, b.new_zeros(padded_n - n, *b.shape[1:])])
+    # [panels, panel, blocks, bytes] -> [panels, blocks, bytes, panel]: each byte position of a
+    # block becomes a row of `panel` bytes, one per output column
+    r = b.view(padded_n // panel, panel, blocks, -1).permute(0, 2, 3, 1)
+    if fmt is Q8_0:
+        parts = [r[:, :, 0:2].transpose(2, 3), r[:, :, 2:]]  # d[P] f16, then q[32][P]
+        kernel_type = _KERNEL_Q8
+    else:
+        parts = [r[:, :, 0:2].transpose(2, 3), r[:, :, 2:4].transpose(2, 3), r[:, :, 4:]]
+        kernel_type = _KERNEL_Q4
+    records = torch.cat([p.reshape(p.shape[0], blocks, -1) for p in parts], dim=-1)
+    header = bytearray(HEADER_BYTES)
+    struct.pack_into("<IIqqI", header, 0, _MAGIC, kernel_type, n, k, panel)
+    return torch.cat([torch.frombuffer(header, dtype=torch.uint8), records.reshape(-1)])
