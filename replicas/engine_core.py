@@ -34,6 +34,7 @@ from transformers import AutoConfig
 from replicas import core_protocol as proto
 from replicas.engine import Engine, EngineConfig, compute_thread
 from replicas.executor import InProcessExecutor, RayExecutor
+from replicas.gguf_checkpoint import LINK
 from replicas.kernels import isa
 from replicas.logits_processors import load_factory
 from replicas.model_files import resolve_model_path
@@ -113,17 +114,23 @@ def _read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def resolve_dtype(name: str, hf_config: Any, on_gpu: bool | None = None) -> str:
+def resolve_dtype(name: str, hf_config: Any, on_gpu: bool | None = None,
+                  quantized: bool = False) -> str:
     """The compute dtype: `name` unless "auto"; then the checkpoint's on a GPU, and on a CPU what
     it computes fast (isa.compute_dtype: bf16 only with bf16 dot products; float32 elsewhere,
-    where a bf16 checkpoint's linear weights stay bf16 in memory, see parallel.pack_weights)."""
+    where a bf16 checkpoint's linear weights stay bf16 in memory, see parallel.pack_weights).
+    A GGUF checkpoint (`quantized`) computes in float32 on CPUs, where its block-quantized
+    weights stay quantized (quant_linear.c), and in bf16 on GPUs, dequantized at load."""
     if name != "auto":
         return name
+    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+    if quantized:
+        return "bfloat16" if on_gpu else "float32"
     dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     dtype = str(dtype).removeprefix("torch.") if dtype is not None else "float32"
     if dtype not in ("float32", "bfloat16", "float16"):
         return "float32"
-    if torch.cuda.is_available() if on_gpu is None else on_gpu:
+    if on_gpu:
         return dtype
     if dtype == "float32":
         return dtype
@@ -150,7 +157,7 @@ class EngineCore:
         hf_config = AutoConfig.from_pretrained(path)
         on_gpu = (torch.cuda.is_available() if config.tensor_parallel_size == 1
                   else config.shard_num_gpus > 0)
-        dtype = resolve_dtype(config.dtype, hf_config, on_gpu)
+        dtype = resolve_dtype(config.dtype, hf_config, on_gpu, quantized=(path / LINK).exists())
         logger.info("%s computes in %s (--dtype %s; CPU kernels: %s)", config.model, dtype,
                     config.dtype, "-" if on_gpu else isa.selected())
         max_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
@@ -186,7 +193,8 @@ class EngineCore:
         self.info = {"model_path": str(path), "max_model_len": max_len,
                      "vocab_size": int(hf_config.vocab_size), "dtype": dtype,
                      "isa": None if on_gpu else isa.selected(), "on_gpu": on_gpu,
-                     "shard_num_parameters": executor.shard_sizes(), "pid": os.getpid()}
+                     "shard_num_parameters": executor.shard_sizes(),
+                     "weights": executor.weight_formats(), "pid": os.getpid()}
         self.engine = Engine(
             EngineConfig(max_len, num_blocks, config.block_size, config.max_num_seqs,
                          config.max_num_batched_tokens, config.max_waiting,

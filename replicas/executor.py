@@ -21,6 +21,8 @@ class Executor(Protocol):
 
     def shard_sizes(self) -> list[int]: ...
 
+    def weight_formats(self) -> dict[str, int]: ...
+
     def check_health(self) -> None: ...
 
     def shutdown(self) -> None: ...
@@ -35,6 +37,9 @@ class InProcessExecutor:
 
     def shard_sizes(self) -> list[int]:
         return [self.worker.num_parameters()]
+
+    def weight_formats(self) -> dict[str, int]:
+        return self.worker.weight_formats()
 
     def check_health(self) -> None:
         return None
@@ -91,6 +96,9 @@ class RayExecutor:
 
     def shard_sizes(self) -> list[int]:
         return ray.get([w.num_parameters.remote() for w in self.workers])
+
+    def weight_formats(self) -> dict[str, int]:
+        return ray.get(self.workers[0].weight_formats.remote())
 
     def check_health(self) -> None:
         ray.get([w.ping.remote() for w in self.workers], timeout=30)

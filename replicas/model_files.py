@@ -1,14 +1,16 @@
 """Turns a served model name into a local folder of Hugging Face checkpoint files.
 
-Owns the three ways a model can be named: an embedded id (`shardserve/tiny-llama`,
-`shardserve/bench-135m`, built locally on first use), a local directory, or a Hugging Face hub id
-(downloaded into the hub cache, weights and tokenizer files only)."""
+Owns the ways a model can be named: an embedded id (`shardserve/smollm2-135m-instruct`,
+`shardserve/tiny-llama`, ..., see replicas.embedded), a local directory, a GGUF file (or a
+directory whose only weights are one), each turned into a folder by `gguf_checkpoint`, or a
+Hugging Face hub id (downloaded into the hub cache, weights and tokenizer files only)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from replicas.embedded import EMBEDDED_MODELS
+from replicas.embedded import EMBEDDED_MODELS, default_cache_dir
+from replicas.gguf_checkpoint import gguf_folder
 
 # Enough to load config, weights, tokenizer and chat template; skips .bin/.pt/.gguf/.onnx duplicates.
 HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
@@ -20,7 +22,12 @@ def resolve_model_path(model: str) -> Path:
     if build is not None:
         return build()
     local = Path(model).expanduser()
+    if local.is_file() and local.suffix == ".gguf":
+        return gguf_folder(local, default_cache_dir())
     if local.is_dir():
+        ggufs = sorted(local.glob("*.gguf"))
+        if len(ggufs) == 1 and not any(local.glob("*.safetensors")):
+            return gguf_folder(ggufs[0], default_cache_dir())
         return local
     if model.startswith((".", "/", "~")) or local.exists():
         # A path-like name must not fall through to the hub as a bogus repo id.

@@ -13,12 +13,12 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
-from replicas import host_memory
+from replicas import host_memory, kernels
 from replicas.cuda_graphs import DecodeGraphs
 from replicas.loader import load_weights
 from replicas.model_runner import ModelRunner, StepInput, StepOutput
 from replicas.models import get_model_class
-from replicas.models.parallel import pack_weights
+from replicas.models.parallel import LINEARS, VocabParallelEmbedding, pack_weights
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,28 @@ class WorkerConfig:
     # the sampled rows' logits stay on the device for the sampler: only when the engine is in
     # the same process (a shard actor's answer crosses Ray and must be on the host)
     logits_on_device: bool = False
+
+
+def weight_formats(model: torch.nn.Module) -> dict[str, int]:
+    """How many linears (and embeddings) hold each weight format, and the kernel that multiplies
+    it: e.g. {"Q4_1 linear_q": 210, "Q8_0 embedding": 1, "bf16 linear_mixed": 0, ...}."""
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        if not isinstance(module, (*LINEARS, VocabParallelEmbedding)):
+            continue
+        w, fmt = module.weight, getattr(module, "quant_format", None)
+        if not isinstance(module, LINEARS):
+            kind = f"{fmt.name if fmt else str(w.dtype).removeprefix('torch.')} embedding"
+        elif w.dtype == torch.uint8:
+            kind = f"{fmt.name if fmt else 'quantized'} linear_q"
+        elif w.dim() == 4:
+            kind = "bfloat16 linear_bf16"
+        elif w.dim() == 3:
+            kind = "bfloat16 linear_mixed"
+        else:
+            kind = f"{str(w.dtype).removeprefix('torch.')} torch"
+        counts[kind] = counts.get(kind, 0) + 1
+    return counts
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -69,9 +91,14 @@ class ShardWorker:
             # cuDNN's SDPA builds an execution plan per new shape (each prefill row's length):
             # ~45 ms a call on an H100, prefill steps of ~0.6 s; flash / memory-efficient need none
             torch.backends.cuda.enable_cudnn_sdp(False)
-        load_weights(model, Path(config.model_path), dtype)
+        # block-quantized GGUF weights stay quantized where linear_q multiplies them
+        keep_quantized = (self.device.type == "cpu" and config.tp_size == 1
+                          and dtype == torch.float32 and kernels.supports_quantized(self.device))
+        load_weights(model, Path(config.model_path), dtype, keep_quantized)
         model.to(self.device).eval()
         pack_weights(model)
+        logger.info("weights: %s", ", ".join(f"{n} x {kind}"
+                                             for kind, n in weight_formats(model).items()))
         head_dim = model.layers[0].self_attn.head_dim
         kv_heads = model.layers[0].self_attn.num_kv_heads
         graphs = (config.cuda_graphs and self.device.type == "cuda" and config.tp_size == 1
@@ -105,6 +132,9 @@ class ShardWorker:
         """The Ray node this rank runs on (None outside Ray)."""
         import ray
         return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
+    def weight_formats(self) -> dict[str, int]:
+        return weight_formats(self.runner.model)
 
     def num_parameters(self) -> int:
         """Elements of the weights this rank holds (its shard)."""

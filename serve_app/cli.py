@@ -21,7 +21,12 @@ APP_NAME = "shardserve"
 def _serve_parser(sub: Any) -> None:
     p = sub.add_parser("serve", help="start the OpenAI-compatible server")
     p.add_argument("--config", type=Path, help="YAML file with AppConfig fields")
-    p.add_argument("--model", help="HF model folder or hub id (default: the embedded tiny model)")
+    p.add_argument("--model", help="HF model folder, .gguf file or hub id (default: the "
+                                    "embedded SmolLM2-135M-Instruct, Q4_1)")
+    p.add_argument("--gguf-file", help="with --model FOLDER: the .gguf file in it to serve")
+    p.add_argument("--generation-config",
+                   help="sampling defaults for fields a request omits: auto (the model "
+                        "folder's generation_config.json, default), vllm (none) or a FOLDER")
     p.add_argument("--served-model-name")
     p.add_argument("--host")
     p.add_argument("--port", type=int)
@@ -90,7 +95,9 @@ def _serve_parser(sub: Any) -> None:
 def config_from_args(args: argparse.Namespace):
     from serve_app.config import AppConfig
     data: dict[str, Any] = yaml.safe_load(args.config.read_text()) if args.config else {}
-    model_keys = {"model": args.model, "served_model_name": args.served_model_name,
+    model_keys = {"model": args.model, "gguf_file": args.gguf_file,
+                  "generation_config": args.generation_config,
+                  "served_model_name": args.served_model_name,
                   "max_model_len": args.max_model_len,
                   "tensor_parallel_size": args.tensor_parallel_size,
                   "num_replicas": args.num_replicas, "dtype": args.dtype,

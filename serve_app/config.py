@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from replicas.deployment import ReplicaConfig
-from replicas.embedded import EMBEDDED_MODEL_ID
+from replicas.embedded import DEFAULT_MODEL_ID
 
 
 def _split_keys(value: str) -> list[str]:
@@ -26,7 +26,11 @@ class AutoscalingConfig(BaseModel):
 class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    model: str = EMBEDDED_MODEL_ID
+    model: str = DEFAULT_MODEL_ID
+    # with `model` a folder: the .gguf file in it to serve (else a .gguf path goes in `model`)
+    gguf_file: str | None = None
+    # sampling defaults for fields a request omits (serve_app/generation_defaults.py)
+    generation_config: str = "auto"
     served_model_name: str | None = None
     max_model_len: int | None = Field(None, ge=16)
     dtype: str = Field("auto", pattern="^(auto|float32|bfloat16|float16)$")
@@ -80,6 +84,11 @@ class ModelConfig(BaseModel):
         return self.served_model_name or self.model
 
     @property
+    def checkpoint(self) -> str:
+        """What the model files are resolved from: `model`, or its `gguf_file`."""
+        return os.path.join(self.model, self.gguf_file) if self.gguf_file else self.model
+
+    @property
     def replica_max_ongoing_requests(self) -> int:
         return self.max_ongoing_requests or self.max_num_seqs + self.max_waiting
 
@@ -100,7 +109,7 @@ class ModelConfig(BaseModel):
             structured_timeout_s=self.structured_timeout_s, stream_interval=self.stream_interval,
             stream_messages_per_s=self.stream_messages_per_s,
             enforce_eager=self.enforce_eager, step_timeout_s=self.step_timeout_s,
-            model=self.model, max_model_len=self.max_model_len, dtype=self.dtype,
+            model=self.checkpoint, max_model_len=self.max_model_len, dtype=self.dtype,
             tensor_parallel_size=self.tensor_parallel_size, block_size=self.block_size,
             kv_cache_gib=self.kv_cache_gib, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_waiting=self.max_waiting,

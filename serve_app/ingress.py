@@ -268,7 +268,7 @@ class Ingress:
         return sampling.ServerLimits(
             info["max_model_len"], min(info["vocab_size"], len(served.tokenizer)),
             self.config.max_n, served.config.priority_scheduling,
-            frozenset(self.config.logits_processors))
+            frozenset(self.config.logits_processors), served.defaults)
 
     def _admit(self, served: ServedModel, request: Request) -> Ticket:
         return self.admission.admit(served.name, getattr(request.state, "api_key", None))

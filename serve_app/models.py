@@ -4,6 +4,7 @@ the tokenizer of each, and the replica handle requests fan out to."""
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,9 +13,12 @@ from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
 from replicas.model_files import resolve_model_path
-from serve_app import reasoning_formats, tool_formats
+from serve_app import generation_defaults, reasoning_formats, tool_formats
 from serve_app.config import ModelConfig
 from serve_app.errors import APIError
+from serve_app.generation_defaults import SamplingDefaults
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -23,6 +27,8 @@ class ServedModel:
     handle: Any  # DeploymentHandle of the model's LLMReplica deployment
     tokenizer: Any  # transformers tokenizer: chat template, encode
     fast: Tokenizer  # the raw `tokenizers` object: incremental decoding
+    # the model's sampling defaults for fields a request omits (--generation-config)
+    defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     created: int = field(default_factory=lambda: int(time.time()))
     info: dict[str, Any] | None = None  # from the replica: max_model_len, vocab_size
 
@@ -60,9 +66,12 @@ class ServedModel:
 
 
 def load_model(config: ModelConfig, handle: Any) -> ServedModel:
-    path = resolve_model_path(config.model)
+    path = resolve_model_path(config.checkpoint)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return ServedModel(config, handle, tokenizer, tokenizer.backend_tokenizer)
+    defaults = generation_defaults.load(config.generation_config, path)
+    logger.info("%s: sampling defaults %s (--generation-config %s)", config.name,
+                defaults.items() or "OpenAI's", config.generation_config)
+    return ServedModel(config, handle, tokenizer, tokenizer.backend_tokenizer, defaults)
 
 
 class ModelRegistry:

@@ -12,6 +12,7 @@ from typing import Any
 
 from replicas.request import SamplingParams
 from serve_app.errors import APIError
+from serve_app.generation_defaults import SamplingDefaults
 from serve_app.protocol import MAX_BAD_WORDS_TOKENS, ChatCompletionRequest, SamplingFields
 from structured.spec import Constraint
 from structured.schema_check import BACKEND_OF_KIND
@@ -49,6 +50,14 @@ class ServerLimits:
     max_n: int
     priority_scheduling: bool
     logits_processors: frozenset[str]
+    defaults: SamplingDefaults = SamplingDefaults()  # the model's, for fields a request omits
+
+
+def _given(value: Any, model_default: Any, openai_default: Any) -> Any:
+    """The request's value, else the model's default (generation_defaults), else OpenAI's."""
+    if value is not None:
+        return value
+    return openai_default if model_default is None else model_default
 
 
 def _check_ids(ids: list[int], vocab_size: int, param: str) -> None:
@@ -259,7 +268,8 @@ def build(request: SamplingFields, *, prompt_len: int, limits: ServerLimits, tok
                        f"in the {'messages' if chat else 'prompt'}, {max_tokens} in the "
                        "completion). Please reduce the length of the messages or completion.",
                        param=max_param)
-    temperature = 1.0 if request.temperature is None else request.temperature
+    d = limits.defaults
+    temperature = _given(request.temperature, d.temperature, 1.0)
     if request.n > limits.max_n:
         raise APIError(f"n must be at most {limits.max_n}", param="n")
     if request.n > 1 and temperature == 0.0:
@@ -341,12 +351,14 @@ def build(request: SamplingFields, *, prompt_len: int, limits: ServerLimits, tok
                        "generated", param="allowed_token_ids")
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature,
-        top_p=1.0 if request.top_p is None else request.top_p,
-        top_k=0 if request.top_k in (None, -1) else request.top_k,
-        min_p=request.min_p or 0.0,
+        top_p=_given(request.top_p, d.top_p, 1.0),
+        top_k=max(0, _given(request.top_k, d.top_k, 0)),  # -1 and 0: no top-k
+        min_p=_given(request.min_p, d.min_p, 0.0),
         presence_penalty=request.presence_penalty or 0.0,
         frequency_penalty=request.frequency_penalty or 0.0,
-        repetition_penalty=request.repetition_penalty or 1.0,
+        # a prediction refuses penalties (it must match the draft): no model default then
+        repetition_penalty=(request.repetition_penalty or 1.0) if getattr(request, "prediction", None)
+        else _given(request.repetition_penalty, d.repetition_penalty, 1.0),
         logit_bias=_logit_bias(request.logit_bias, limits.vocab_size),
         allowed_token_ids=(tuple(request.allowed_token_ids)
                            if request.allowed_token_ids is not None else None),

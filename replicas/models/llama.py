@@ -183,16 +183,25 @@ class LlamaForCausalLM(nn.Module):
 
     def _layer_table(self, kv_cache: torch.Tensor) -> Any:
         attn = self.layers[0].self_attn
-        # bf16 over AVX512-BF16 packing (4-d weights), float32 over bf16 packing (3-d)
-        packed_dim = {torch.bfloat16: 4, torch.float32: 3}.get(kv_cache.dtype)
-        if (tp_size() > 1 or attn.qk_norm or packed_dim is None
+        if (tp_size() > 1 or attn.qk_norm
                 or not kernels.supports(kv_cache.dtype, kv_cache.device)):
             return None
+
+        def packing(weight: torch.Tensor) -> str | None:
+            """bf16 over AVX512-BF16 packing (4-d), float32 over bf16 packing (3-d) or over
+            block-quantized packing (uint8)"""
+            if weight.dtype == torch.uint8:
+                return "quantized" if kv_cache.dtype == torch.float32 else None
+            return {(torch.bfloat16, 4): "bf16", (torch.float32, 3): "mixed"}.get(
+                (kv_cache.dtype, weight.dim()))
+
         table = (kernels.LlamaLayer * len(self.layers))()
+        kinds = set()
         for i, layer in enumerate(self.layers):
             a, mlp = layer.self_attn, layer.mlp
             projections = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if any(p.weight.dim() != packed_dim for p in projections) or a.o_proj.bias is not None:
+            kinds.update(packing(p.weight) for p in projections)
+            if len(kinds) != 1 or None in kinds or a.o_proj.bias is not None:
                 return None
             bias = a.qkv_proj.bias
             table[i] = kernels.LlamaLayer(
@@ -204,7 +213,7 @@ class LlamaForCausalLM(nn.Module):
         self._native_shape = kernels.LlamaShape(
             self.config.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
             self.layers[0].mlp.gate_up_proj.out_features // 2,
-            self.layers[0].input_layernorm.eps, attn.scale)
+            self.layers[0].input_layernorm.eps, attn.scale, kinds == {"quantized"})
         return table
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@ shard, so loading is one loop over the checkpoint. With tp_size 1 they are plain
 matmuls go through `linear`: once loaded, `pack_weights` repacks weights for the native CPU
 kernels, which then multiply at every size: bf16 weights for AVX512-BF16's dot products, and
 float32 weights whose values are all bf16 (a bf16 checkpoint computing in float32 elsewhere) back
-to bf16, widened in registers; torch multiplies everything else."""
+to bf16, widened in registers; block-quantized weights arrive packed from the loader
+(`quant.pack`, uint8); torch multiplies everything else."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from replicas import kernels
+from replicas import kernels, quant
 
 
 def tp_rank() -> int:
@@ -27,6 +28,8 @@ def tp_size() -> int:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, out_features: int,
            bias: torch.Tensor | None = None) -> torch.Tensor:
+    if weight.dtype == torch.uint8:  # block-quantized, packed by the loader (quant.pack)
+        return kernels.linear_q(x, weight, out_features, bias)
     if weight.dim() == 4:  # packed by pack_weights for bf16 dot products
         return kernels.linear(x, weight, out_features, bias)
     if weight.dim() == 3:  # packed by pack_weights as bf16 for float32 compute
@@ -43,6 +46,8 @@ def _divide(n: int, d: int, what: str) -> int:
 class ColumnParallelLinear(nn.Module):
     """Output features split across ranks; the input is replicated. Fused projections (qkv, gate/up)
     list their parts' full output sizes in `shard_sizes` and load each part by index."""
+
+    quant_format: quant.BlockFormat | None = None  # set by the loader with a packed weight
 
     def __init__(self, in_features: int, shard_sizes: list[int], bias: bool = False) -> None:
         super().__init__()
@@ -71,6 +76,8 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """Input features split across ranks; partial products are summed with an all-reduce."""
 
+    quant_format: quant.BlockFormat | None = None  # set by the loader with a packed weight
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
@@ -98,6 +105,9 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
+    # set by the loader where the weight is GGUF's block-quantized rows (one rank only)
+    quant_format: quant.BlockFormat | None = None
+
     def __init__(self, vocab_size: int, hidden: int) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
@@ -113,6 +123,8 @@ class VocabParallelEmbedding(nn.Module):
         param.data[: part.shape[0]].copy_(part)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant_format is not None:
+            return quant.embedding(ids, self.weight, self.quant_format)
         if self.tp_size == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.start
