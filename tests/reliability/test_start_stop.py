@@ -23,7 +23,7 @@ from tests.conftest import free_port
 pytestmark = pytest.mark.slow
 
 MODEL = "shardserve/tiny-llama"
-SERVE = [os.path.join(os.path.dirname(sys.executable), "shardserve"), "serve",
+SERVE = [os.path.join(os.path.dirname(sys.executable), "shardserve"), "serve", "--model", MODEL,
          "--max-model-len", "1024", "--kv-cache-gib", "0.05", "--max-num-seqs", "4",
          "--num-cpus", "2"]
 

@@ -1,4 +1,5 @@
-"""`shardserve serve` as a user runs it: its own Ray, HAProxy in front, ready when it says so,
+"""`shardserve serve` as a user runs it (the default model: SmolLM2-135M-Instruct's GGUF): its own
+Ray, HAProxy in front, ready when it says so,
 gone (HAProxy included) after SIGINT, even started as a shell starts a background job (SIGINT
 ignored); SIGTERM goes to the same handler."""
 
@@ -15,6 +16,7 @@ import psutil
 import pytest
 from openai import OpenAI
 
+from replicas.embedded import DEFAULT_MODEL_ID
 from serve_app import http_front
 from tests.conftest import free_port
 
@@ -49,7 +51,7 @@ def test_serve_behind_haproxy_answers_then_stops_cleanly() -> None:
         # "serving" means a request succeeds now, with no retry
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         stream = client.chat.completions.create(
-            model="shardserve/tiny-llama", messages=[{"role": "user", "content": "hi"}],
+            model=DEFAULT_MODEL_ID, messages=[{"role": "user", "content": "hi"}],
             max_tokens=5, stream=True, extra_body={"ignore_eos": True})
         chunks = [c for c in stream if c.choices and c.choices[0].delta.content]
         assert 1 <= len(chunks) <= 5

