@@ -1,0 +1,78 @@
+"""The default model a user meets (`make serve`): SmolLM2-135M-Instruct from its Q4_1 GGUF, served
+with its weights quantized, answers sensibly through the openai SDK: a fact, JSON that validates,
+a stream, tool calls; a request without sampling fields samples with the model's defaults."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from openai import OpenAI
+
+from replicas.embedded import DEFAULT_MODEL_ID
+from tests.conftest import running_app
+
+pytestmark = pytest.mark.skipif(__import__("torch").cuda.is_available(),
+                                reason="the CPU build's quantized kernels are under test")
+CONFIG = {"models": [{"model": DEFAULT_MODEL_ID, "max_model_len": 2048, "kv_cache_gib": 0.1,
+                      "max_num_seqs": 8, "num_threads": 2, "replica_num_cpus": 1.0}]}
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "required": ["city"],
+                   "properties": {"city": {"type": "string"}}}}}
+
+
+@pytest.fixture(scope="module")
+def client() -> OpenAI:
+    with running_app(CONFIG) as url:
+        yield OpenAI(base_url=url, api_key="x", max_retries=0, timeout=120)
+
+
+def test_a_fact_greedy(client: OpenAI) -> None:
+    r = client.chat.completions.create(model=DEFAULT_MODEL_ID, messages=FRANCE, temperature=0,
+                                       max_tokens=24)
+    assert "Paris" in r.choices[0].message.content, r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_json_schema_validates_and_arrays_stay_bounded(client: OpenAI) -> None:
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "tags"],
+              "properties": {"name": {"type": "string", "maxLength": 20},
+                             "tags": {"type": "array", "items": {"type": "string",
+                                                                 "maxLength": 12},
+                                      "maxItems": 3}}}
+    for temperature in (0, None):  # greedy, and the model's own sampling defaults
+        r = client.chat.completions.create(
+            model=DEFAULT_MODEL_ID, max_tokens=200,
+            messages=[{"role": "user", "content": "Describe a cat as JSON with name and tags."}],
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "cat", "schema": schema, "strict": True}},
+            **({} if temperature is None else {"temperature": temperature}))
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+        assert r.choices[0].finish_reason == "stop"
+
+
+def test_a_stream(client: OpenAI) -> None:
+    stream = client.chat.completions.create(model=DEFAULT_MODEL_ID, messages=FRANCE,
+                                            temperature=0, max_tokens=24, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text
+    # a message may carry several tokens; the end-of-turn token carries no text
+    assert chunks[-1].usage.completion_tokens >= len(
+        [c for c in chunks if c.choices and c.choices[0].delta.content]) >= 2
+
+
+@pytest.mark.parametrize("tool_choice", ["required",
+                                         {"type": "function", "function": {"name": "get_weather"}}])
+def test_tool_calls(client: OpenAI, tool_choice) -> None:
+    r = client.chat.completions.create(
+        model=DEFAULT_MODEL_ID, max_tokens=60, tools=[WEATHER], tool_choice=tool_choice,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}])
+    calls = r.choices[0].message.tool_calls
+    assert calls and calls[0].function.name == "get_weather"
+    assert isinstance(json.loads(calls[0].function.arguments)["city"], str)
+    assert r.choices[0].finish_reason == "tool_calls"
