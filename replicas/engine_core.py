@@ -260,7 +260,7 @@ class EngineCore:
         e = self.engine
         return {"max_model_len": self.info["max_model_len"],
                 "vocab_size": self.info["vocab_size"], "dtype": self.info["dtype"],
-                "isa": self.info["isa"],
+                "isa": self.info["isa"], "weights": self.info["weights"],
                 "num_running": e.num_running, "num_waiting": e.num_waiting,
                 "kv_cache_usage": e.blocks.usage, "num_used_blocks": e.blocks.num_used_blocks,
                 "num_blocks": e.blocks.num_blocks,

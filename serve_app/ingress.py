@@ -347,7 +347,17 @@ class Ingress:
 
     @app.get("/version")
     async def version(self) -> dict:
-        return {"version": VERSION}
+        """The server's version and, per served model whose replicas reported, what it computes
+        with: dtype, CPU kernel level (None on GPUs), and its linears' weight formats and kernels
+        (from the replicas' stats: answered at peak without a call to them)."""
+        self.board.start()
+        models = {}
+        for served in self.registry.models.values():
+            for stats in self.board.fresh(served.name):
+                if "weights" in stats:
+                    models[served.name] = {k: stats[k] for k in ("dtype", "isa", "weights")}
+                    break
+        return {"version": VERSION, "models": models}
 
     @app.get("/metrics")
     async def metrics(self) -> Response:

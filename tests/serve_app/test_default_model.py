@@ -5,7 +5,9 @@ a stream, tool calls; a request without sampling fields samples with the model's
 from __future__ import annotations
 
 import json
+import time
 
+import httpx
 import jsonschema
 import pytest
 from openai import OpenAI
@@ -28,6 +30,17 @@ WEATHER = {"type": "function", "function": {
 def client() -> OpenAI:
     with running_app(CONFIG) as url:
         yield OpenAI(base_url=url, api_key="x", max_retries=0, timeout=120)
+
+
+def test_version_names_the_weight_formats(client: OpenAI) -> None:
+    root = str(client.base_url).rstrip("/").removesuffix("/v1")
+    deadline = time.monotonic() + 30
+    while not (models := httpx.get(f"{root}/version").json()["models"]):
+        assert time.monotonic() < deadline, "no replica reported"
+        time.sleep(0.5)
+    assert models[DEFAULT_MODEL_ID]["dtype"] == "float32"
+    assert models[DEFAULT_MODEL_ID]["weights"] == {"Q8_0 embedding": 1, "Q4_1 linear_q": 120,
+                                                   "Q8_0 linear_q": 1}
 
 
 def test_a_fact_greedy(client: OpenAI) -> None:
