@@ -262,7 +262,8 @@ def run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
                                    if args.rounds > 1 else ""), flush=True)
             results[peer].append(_one(peer, path, requests, tokenizer, args))
             print(json.dumps({k: results[peer][-1].get(k) for k in (
-                "output_throughput", "median_ttft_ms", "median_tpot_ms")}), flush=True)
+                "output_throughput", "median_ttft_ms", "median_tpot_ms", "model_rss_mb")}),
+                  flush=True)
     return results
 
 
@@ -287,7 +288,24 @@ def _one(peer: str, path: Path, requests: list[BenchRequest], tokenizer: Any,
                                    ignore_eos=peer != "transformers-serve"))
         if before is not None:
             result.update(_front_costs(before, _front_counters(base)))
+        result["model_rss_mb"] = _model_rss_mb(peer)
         return result
+
+
+def _model_rss_mb(peer: str) -> float | None:
+    """Resident memory of the process that holds the model's weights and KV cache, after the
+    load: shardserve's engine core, vLLM's engine core (or its one server process),
+    llama-server."""
+    import psutil
+
+    marks = {"vllm": ("VLLM::EngineCore", "vllm.entrypoints"), "llama-server": ("llama-server",)
+             }.get(peer, (CORE,) if peer.startswith("shardserve") else ())
+    for mark in marks:
+        rss = [p.info["memory_info"].rss for p in psutil.process_iter(["cmdline", "memory_info"])
+               if p.info["memory_info"] and mark in " ".join(p.info["cmdline"] or ())]
+        if rss:
+            return max(rss) / 2**20
+    return None
 
 
 # the model replica's process (the front) and its engine core's, by their `ps` names
