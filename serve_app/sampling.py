@@ -357,7 +357,8 @@ def build(request: SamplingFields, *, prompt_len: int, limits: ServerLimits, tok
         presence_penalty=request.presence_penalty or 0.0,
         frequency_penalty=request.frequency_penalty or 0.0,
         # a prediction refuses penalties (it must match the draft): no model default then
-        repetition_penalty=(request.repetition_penalty or 1.0) if getattr(request, "prediction", None)
+        repetition_penalty=(request.repetition_penalty or 1.0)
+        if getattr(request, "prediction", None)
         else _given(request.repetition_penalty, d.repetition_penalty, 1.0),
         logit_bias=_logit_bias(request.logit_bias, limits.vocab_size),
         allowed_token_ids=(tuple(request.allowed_token_ids)
