@@ -86,6 +86,8 @@ class ReplicaConfig:
     # has sent nothing for `core_silence_s` (its process is wedged)
     step_timeout_s: float = 120.0
     core_silence_s: float = 15.0
+    # weight-only quantization of a float checkpoint's linears ("int8": Q8_0 blocks, on CPUs)
+    quantization: str | None = None
 
 
 @dataclass(frozen=True)
@@ -157,7 +159,8 @@ class EngineCore:
         hf_config = AutoConfig.from_pretrained(path)
         on_gpu = (torch.cuda.is_available() if config.tensor_parallel_size == 1
                   else config.shard_num_gpus > 0)
-        dtype = resolve_dtype(config.dtype, hf_config, on_gpu, quantized=(path / LINK).exists())
+        dtype = resolve_dtype(config.dtype, hf_config, on_gpu,
+                              quantized=(path / LINK).exists() or config.quantization is not None)
         logger.info("%s computes in %s (--dtype %s; CPU kernels: %s)", config.model, dtype,
                     config.dtype, "-" if on_gpu else isa.selected())
         max_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
@@ -173,7 +176,8 @@ class EngineCore:
         worker_config = WorkerConfig(str(path), dtype, num_blocks, config.block_size,
                                      config.tensor_parallel_size, num_threads,
                                      max_num_seqs=config.max_num_seqs, max_model_len=max_len,
-                                     cuda_graphs=not config.enforce_eager)
+                                     cuda_graphs=not config.enforce_eager,
+                                     quantization=config.quantization)
         compute = compute_thread()
         if config.tensor_parallel_size == 1:
             # built on the thread that will run it: one OpenMP team for all torch work

@@ -6,7 +6,8 @@ over the checkpoint; tensors are read lazily, one at a time, in the model's dtyp
 block-quantized linears and embedding stay quantized where the native kernels multiply them
 (`keep_quantized`: a CPU, one rank, float32 compute): fused projections' parts are concatenated
 row-wise and packed (`quant.pack`), block types without a native kernel are re-quantized to Q8_0.
-Elsewhere every tensor is dequantized to the model's dtype as it is read."""
+Elsewhere every tensor is dequantized to the model's dtype as it is read. `quantize_int8` turns
+a float checkpoint's linears into Q8_0 after loading (`--quantization int8`)."""
 
 from __future__ import annotations
 
@@ -91,6 +92,22 @@ def _load_gguf(model: nn.Module, file: Path, dtype: torch.dtype, keep_quantized:
     _check_complete(params, loaded, file)
     for module_name, shards in pending.items():
         _set_quantized(model.get_submodule(module_name), [shards[i] for i in sorted(shards)])
+
+
+def quantize_int8(model: nn.Module) -> int:
+    """`--quantization int8`: every linear and embedding whose weight is still float (and whose
+    input features are whole 32-weight blocks) becomes Q8_0: weight-only int8 with a float16
+    scale per 32 weights (finer than per-channel scales, 8.5 bits a weight). Returns how many."""
+    done = 0
+    for module in model.modules():
+        if not isinstance(module, (*LINEARS, VocabParallelEmbedding)):
+            continue
+        weight = module.weight
+        if weight.dtype == torch.uint8 or weight.dim() != 2 or weight.shape[1] % quant.BLOCK:
+            continue
+        _set_quantized(module, [(quant.quantize_q8_0(weight.data), quant.Q8_0)])
+        done += 1
+    return done
 
 
 def _set_quantized(module: nn.Module,

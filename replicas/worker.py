@@ -15,7 +15,7 @@ from transformers import AutoConfig
 
 from replicas import host_memory, kernels
 from replicas.cuda_graphs import DecodeGraphs
-from replicas.loader import load_weights
+from replicas.loader import load_weights, quantize_int8
 from replicas.model_runner import ModelRunner, StepInput, StepOutput
 from replicas.models import get_model_class
 from replicas.models.parallel import LINEARS, VocabParallelEmbedding, pack_weights
@@ -39,6 +39,9 @@ class WorkerConfig:
     # the sampled rows' logits stay on the device for the sampler: only when the engine is in
     # the same process (a shard actor's answer crosses Ray and must be on the host)
     logits_on_device: bool = False
+    # "int8": every linear's float weight quantized to Q8_0 blocks after loading (CPUs, tp 1,
+    # float32 compute: where linear_q runs)
+    quantization: str | None = None
 
 
 def weight_formats(model: torch.nn.Module) -> dict[str, int]:
@@ -95,6 +98,14 @@ class ShardWorker:
         keep_quantized = (self.device.type == "cpu" and config.tp_size == 1
                           and dtype == torch.float32 and kernels.supports_quantized(self.device))
         load_weights(model, Path(config.model_path), dtype, keep_quantized)
+        if config.quantization == "int8":
+            if not keep_quantized:
+                raise ValueError("--quantization int8 runs on CPUs with the native kernels, at "
+                                 "tensor-parallel size 1, computing in float32 (--dtype auto "
+                                 "or float32)")
+            quantize_int8(model)
+        elif config.quantization is not None:
+            raise ValueError(f"--quantization {config.quantization!r}: only int8 is supported")
         model.to(self.device).eval()
         pack_weights(model)
         logger.info("weights: %s", ", ".join(f"{n} x {kind}"

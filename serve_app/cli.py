@@ -27,6 +27,10 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--generation-config",
                    help="sampling defaults for fields a request omits: auto (the model "
                         "folder's generation_config.json, default), vllm (none) or a FOLDER")
+    p.add_argument("--quantization", choices=["int8"],
+                   help="weight-only int8 (Q8_0 blocks: a float16 scale per 32 weights) for a "
+                        "float checkpoint's linears, multiplied by native CPU kernels; a GGUF "
+                        "file's quantized weights are served as they are without it")
     p.add_argument("--served-model-name")
     p.add_argument("--host")
     p.add_argument("--port", type=int)
@@ -97,6 +101,7 @@ def config_from_args(args: argparse.Namespace):
     data: dict[str, Any] = yaml.safe_load(args.config.read_text()) if args.config else {}
     model_keys = {"model": args.model, "gguf_file": args.gguf_file,
                   "generation_config": args.generation_config,
+                  "quantization": args.quantization,
                   "served_model_name": args.served_model_name,
                   "max_model_len": args.max_model_len,
                   "tensor_parallel_size": args.tensor_parallel_size,

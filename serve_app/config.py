@@ -31,6 +31,8 @@ class ModelConfig(BaseModel):
     gguf_file: str | None = None
     # sampling defaults for fields a request omits (serve_app/generation_defaults.py)
     generation_config: str = "auto"
+    # weight-only quantization of a float checkpoint's linears on CPUs (Q8_0 blocks)
+    quantization: Literal["int8"] | None = None
     served_model_name: str | None = None
     max_model_len: int | None = Field(None, ge=16)
     dtype: str = Field("auto", pattern="^(auto|float32|bfloat16|float16)$")
@@ -110,6 +112,7 @@ class ModelConfig(BaseModel):
             stream_messages_per_s=self.stream_messages_per_s,
             enforce_eager=self.enforce_eager, step_timeout_s=self.step_timeout_s,
             model=self.checkpoint, max_model_len=self.max_model_len, dtype=self.dtype,
+            quantization=self.quantization,
             tensor_parallel_size=self.tensor_parallel_size, block_size=self.block_size,
             kv_cache_gib=self.kv_cache_gib, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_waiting=self.max_waiting,

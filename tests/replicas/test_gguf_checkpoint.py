@@ -123,3 +123,29 @@ def test_broken_truncated_and_unsupported_files_are_clear_errors(tmp_path: Path)
     with pytest.raises(GGUFError, match="ffn_gate_exps"):
         hf_name("blk.0.ffn_gate_exps.weight")  # a mixture-of-experts tensor
     assert not any(cache.rglob("config.json"))  # nothing half-made was published
+
+
+@pytest.mark.skipif(kernels.load() is None, reason="no native kernels here")
+def test_int8_quantization_of_a_float_checkpoint(tmp_path: Path) -> None:
+    """--quantization int8: a safetensors model's linears and embedding become Q8_0 (a quarter
+    of float32's bytes, plus scales) and its logits stay within int8's error of transformers'."""
+    torch.manual_seed(7)
+    config = transformers.LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=256)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path)
+    worker = ShardWorker(WorkerConfig(str(tmp_path), "float32", num_blocks=40,
+                                      block_size=isa_steps.BLOCK, quantization="int8"))
+    # 4 projections a layer (qkv, o, gate_up, down) x 2 layers, and the head
+    assert worker.weight_formats() == {"Q8_0 embedding": 1, "Q8_0 linear_q": 9}
+    with torch.no_grad():
+        for sequences, logits in isa_steps.run(worker):
+            for seq, row in zip(sequences, logits):
+                ref = hf(torch.tensor([seq])).logits[0, -1]
+                # int8 with a scale per 32 weights: ~0.4% of a weight's block maximum
+                assert (row - ref).abs().max() < 0.02 * ref.abs().max()
+    with pytest.raises(ValueError, match="float32"):
+        ShardWorker(WorkerConfig(str(tmp_path), "bfloat16", num_blocks=8, block_size=4,
+                                 quantization="int8"))

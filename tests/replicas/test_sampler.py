@@ -120,3 +120,60 @@ def test_a_rows_lists_become_tensors_once_and_cost_no_more_with_their_length() -
 
     # the lists above are 64x-1000x longer; a step walking them would be tens of times slower
     assert per_step(big) < 3 * per_step(small)
+
+
+def _sorted_truncation(logits: torch.Tensor, k: list[int], p: list[float]) -> torch.Tensor:
+    """top_k / top_p by a full descending sort: the definition `_truncate` must equal."""
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(-1, descending=True)
+    ranks = torch.arange(vocab).unsqueeze(0)
+    cut = ranks >= torch.tensor(k).clamp(min=1).unsqueeze(1)
+    probs = sorted_logits.softmax(-1)
+    cut |= (probs.cumsum(-1) - probs) >= torch.tensor(p).unsqueeze(1)
+    return torch.empty_like(logits).scatter_(1, order,
+                                             sorted_logits.masked_fill(cut, float("-inf")))
+
+
+def test_top_k_top_p_over_a_window_equals_the_full_sort() -> None:
+    from replicas.sampler import _truncate
+    g = torch.Generator().manual_seed(5)
+    vocab = 5000
+    # peaked rows (low temperature: the mass in a few tokens), flat rows (the window must
+    # widen to the whole row), top_k only, both, and a row with banned tokens
+    logits = torch.cat([torch.randn(3, vocab, generator=g) * 8, torch.randn(3, vocab, generator=g)
+                        * 0.01, torch.randn(2, vocab, generator=g)])
+    logits[7, :4000] = float("-inf")
+    k = [vocab, 5, vocab, 300, vocab, 1, 70, vocab]
+    p = [0.9, 1.0, 0.5, 0.95, 0.999, 0.9, 1.0, 0.99]
+    got = _truncate(logits.clone(), k, p)
+    want = _sorted_truncation(logits, k, p)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    assert torch.equal(got[~torch.isinf(got)], want[~torch.isinf(want)])
+    assert (~torch.isinf(got[1])).sum() == 5 and (~torch.isinf(got[5])).sum() == 1
+    assert (~torch.isinf(got[4])).sum() > 4000  # the flat row's window widened to the row
+
+
+def test_penalties_change_only_the_seen_tokens_as_defined() -> None:
+    from replicas.sampler import apply_penalties
+    g = torch.Generator().manual_seed(6)
+    vocab = 400
+    seqs = _seqs(3)
+    prompts = [[5, 9, 9, 300], [7], [1, 2, 3]]
+    outputs = [[9, 11, 11], [], [3]]
+    params = [dict(repetition_penalty=1.3), dict(repetition_penalty=1.0, presence_penalty=0.5),
+              dict(repetition_penalty=0.8, frequency_penalty=0.25)]
+    for s, prompt, out, kw in zip(seqs, prompts, outputs, params):
+        s.params = SamplingParams(max_tokens=4, **kw)
+        s.token_ids = prompt + out
+        s.num_prompt_tokens = len(prompt)
+    logits = torch.randn(3, vocab, generator=g) * 3
+    want = logits.clone()
+    for i, s in enumerate(seqs):  # the definitions, token by token
+        r = s.params.repetition_penalty
+        for t in set(s.token_ids):
+            want[i, t] = want[i, t] / r if want[i, t] > 0 else want[i, t] * r
+        for t in set(s.output_token_ids):
+            n = list(s.output_token_ids).count(t)
+            want[i, t] -= s.params.frequency_penalty * n + s.params.presence_penalty
+    apply_penalties(logits, seqs)
+    torch.testing.assert_close(logits, want)
