@@ -55,7 +55,9 @@ def roofline_step_s(server: LLMServer, batch: int, repeats: int = 5) -> float:
     # the layers' own weights may be packed for the native kernel: torch multiplies copies
     # of their logical shape
     linears = [m for m in model.modules() if isinstance(m, LINEARS)]
-    device, dtype = linears[0].weight.device, linears[0].weight.dtype
+    # the compute dtype (the cache's): a block-quantized weight is uint8
+    runner = server.core.engine.executor.worker.runner  # type: ignore[attr-defined]
+    device, dtype = linears[0].weight.device, runner.kv_cache.dtype
     weights = [torch.randn(m.out_features, m.in_features, dtype=dtype, device=device)
                for m in linears]
     x = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype, device=device)

@@ -108,6 +108,7 @@ class ShardWorker:
             raise ValueError(f"--quantization {config.quantization!r}: only int8 is supported")
         model.to(self.device).eval()
         pack_weights(model)
+        host_memory.release_free_heap()
         logger.info("weights: %s", ", ".join(f"{n} x {kind}"
                                              for kind, n in weight_formats(model).items()))
         head_dim = model.layers[0].self_attn.head_dim
