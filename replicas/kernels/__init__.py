@@ -317,15 +317,10 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     if packed.dim() != 4 or packed.shape[1] != -(-k // 2) or packed.shape[0] * 32 < out_features:
         raise ValueError(f"linear: a packed weight {tuple(packed.shape)} does not take "
                          f"{k} input features to {out_features}")
-    rows = x.reshape(-1, k).contiguous()
-    bias = None if bias is None else bias.contiguous()
-    out = x.new_empty((rows.shape[0], out_features))
-    failed = _kernel("linear_bf16")(rows.data_ptr(), packed.data_ptr(),
-                                    None if bias is None else bias.data_ptr(), out.data_ptr(),
-                                    rows.shape[0], out_features, k, torch.get_num_threads())
+    out, failed = _packed_linear("linear_bf16", x, packed, out_features, bias)
     if failed:
         raise RuntimeError("this build has no AVX512-BF16 to multiply packed weights with")
-    return out.view(*x.shape[:-1], out_features)
+    return out
 
 
 def linear_mixed(x: torch.Tensor, packed: torch.Tensor, out_features: int,
@@ -340,13 +335,20 @@ def linear_mixed(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     if packed.dim() != 3 or packed.shape[1] != k or packed.shape[0] * packed.shape[2] < out_features:
         raise ValueError(f"linear_mixed: a packed weight {tuple(packed.shape)} does not take "
                          f"{k} input features to {out_features}")
+    return _packed_linear("linear_mixed", x, packed, out_features, bias)[0]
+
+
+def _packed_linear(name: str, x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                    bias: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """(x @ the packed weight^T (+ bias) by the kernel `name`, in x's dtype; its return code)."""
+    k = x.shape[-1]
     rows = x.reshape(-1, k).contiguous()
     bias = None if bias is None else bias.contiguous()
     out = x.new_empty((rows.shape[0], out_features))
-    _kernel("linear_mixed")(rows.data_ptr(), packed.data_ptr(),
-                            None if bias is None else bias.data_ptr(), out.data_ptr(),
-                            rows.shape[0], out_features, k, torch.get_num_threads())
-    return out.view(*x.shape[:-1], out_features)
+    failed = _kernel(name)(rows.data_ptr(), packed.data_ptr(),
+                           None if bias is None else bias.data_ptr(), out.data_ptr(),
+                           rows.shape[0], out_features, k, torch.get_num_threads())
+    return out.view(*x.shape[:-1], out_features), failed
 
 
 def supports_quantized(device: torch.device) -> bool:
@@ -363,17 +365,11 @@ def linear_q(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     if x.dtype != torch.float32 or packed.dtype != torch.uint8 or (
             bias is not None and bias.dtype != torch.float32):
         raise ValueError("linear_q takes float32 inputs and bias over a packed uint8 weight")
-    k = x.shape[-1]
-    rows = x.reshape(-1, k).contiguous()
-    bias = None if bias is None else bias.contiguous()
-    out = x.new_empty((rows.shape[0], out_features))
-    failed = _kernel("linear_q")(rows.data_ptr(), packed.data_ptr(),
-                                 None if bias is None else bias.data_ptr(), out.data_ptr(),
-                                 rows.shape[0], out_features, k, torch.get_num_threads())
+    out, failed = _packed_linear("linear_q", x, packed, out_features, bias)
     if failed:
-        raise ValueError(f"linear_q: the packed weight is not a [{out_features}, {k}] weight "
-                         "packed for this build")
-    return out.view(*x.shape[:-1], out_features)
+        raise ValueError(f"linear_q: the packed weight is not a [{out_features}, "
+                         f"{x.shape[-1]}] weight packed for this build")
+    return out
 
 
 def fma_peak_gflops(seconds: float = 1.0) -> float:

@@ -139,23 +139,7 @@ KERNEL_INLINE vf widen(const uint16_t *p) {
 #endif
 }
 
-KERNEL_INLINE void mixed_tile(const float *x, const uint16_t *panel, const float *bias, float *y,
-                              int64_t N, int64_t K, int64_t m0, int64_t n0, int MT) {
-    vf acc[8][2]; /* room for any tail (TAIL_TILES); only MT of them are used */
-    for (int i = 0; i < MT; i++) acc[i][0] = acc[i][1] = (vf){0};
-    const float *xr[8];
-    for (int i = 0; i < MT; i++) xr[i] = x + (m0 + i) * K;
-    for (int64_t k = 0; k < K; k++) {
-        const vf w0 = widen(panel + k * PANEL_MIXED), w1 = widen(panel + k * PANEL_MIXED + LANES);
-        for (int i = 0; i < MT; i++) {
-            const float xv = xr[i][k];
-            acc[i][0] += xv * w0;
-            acc[i][1] += xv * w1;
-        }
-    }
-    store_rows(acc, bias, y, N, m0, n0, MT);
-}
-
+FLOAT_TILE(mixed_tile, uint16_t, widen)
 PANEL_ROWS(mixed_panel_rows, mixed_tile, uint16_t)
 
 /* x [M, K] float32, packed w (above), bias [N] float32 or NULL, y [M, N] float32. */

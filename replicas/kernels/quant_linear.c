@@ -197,25 +197,13 @@ static void q8_unpack(const uint8_t *panel, float *out, int64_t K) {
     }
 }
 
-KERNEL_INLINE void f32_tile(const float *x, const float *panel, const float *bias, float *y,
-                            int64_t N, int64_t K, int64_t m0, int64_t n0, int MT) {
-    vf acc[8][2];
-    for (int i = 0; i < MT; i++) acc[i][0] = acc[i][1] = (vf){0};
-    const float *xr[8];
-    for (int i = 0; i < MT; i++) xr[i] = x + (m0 + i) * K;
-    for (int64_t k = 0; k < K; k++) {
-        vf w0, w1;
-        memcpy(&w0, panel + k * P, sizeof w0);
-        memcpy(&w1, panel + k * P + LANES, sizeof w1);
-        for (int i = 0; i < MT; i++) {
-            const float xv = xr[i][k];
-            acc[i][0] += xv * w0;
-            acc[i][1] += xv * w1;
-        }
-    }
-    store_rows(acc, bias, y, N, m0, n0, MT);
+KERNEL_INLINE vf load_floats(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
 }
 
+FLOAT_TILE(f32_tile, float, load_floats)
 PANEL_ROWS(f32_panel_rows, f32_tile, float)
 
 /* x [M, K] float32, packed w (header + panels, above), bias [N] float32 or NULL, y [M, N]

@@ -80,3 +80,25 @@ KERNEL_INLINE void store_rows(vf acc[8][2], const float *bias, float *y, int64_t
             TILE(x, panel, bias, y, N, K, m, n0, MIXED_ROWS);                          \
         TAIL_TILES(TILE, m1 - m, x, panel, bias, y, N, K, m, n0)                       \
     }
+
+/* NAME(x, panel, bias, y, N, K, m0, n0, MT): rows m0 .. m0+MT of x times one panel of W, whose
+   k-th run of PANEL_MIXED weights LOAD turns into float32 (LOAD(p) gives LANES of them), into y.
+   MT is a constant at each call (PANEL_ROWS), so the 2 MT accumulators stay in registers. */
+#define FLOAT_TILE(NAME, W, LOAD)                                                             \
+    KERNEL_INLINE void NAME(const float *x, const W *panel, const float *bias, float *y,     \
+                            int64_t N, int64_t K, int64_t m0, int64_t n0, int MT) {          \
+        vf acc[8][2]; /* room for any tail (TAIL_TILES); only MT of them are used */          \
+        for (int i = 0; i < MT; i++) acc[i][0] = acc[i][1] = (vf){0};                        \
+        const float *xr[8];                                                                   \
+        for (int i = 0; i < MT; i++) xr[i] = x + (m0 + i) * K;                               \
+        for (int64_t k = 0; k < K; k++) {                                                     \
+            const vf w0 = LOAD(panel + k * PANEL_MIXED);                                      \
+            const vf w1 = LOAD(panel + k * PANEL_MIXED + LANES);                              \
+            for (int i = 0; i < MT; i++) {                                                    \
+                const float xv = xr[i][k];                                                    \
+                acc[i][0] += xv * w0;                                                         \
+                acc[i][1] += xv * w1;                                                         \
+            }                                                                                 \
+        }                                                                                     \
+        store_rows(acc, bias, y, N, m0, n0, MT);                                              \
+    }
