@@ -77,6 +77,25 @@ def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
     return torch.cat([scale, quants], dim=-1).reshape(n, -1)
 
 
+def dot_reference(x: torch.Tensor, raw: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """What `linear_q` computes for 4-bit weights with 8-bit activations (as llama.cpp's Q8_1
+    activations): each row's block of 32 x rounded to int8 with dx = max|x| / 127, then
+    sum(x w) = d dx sum(qx q) + m sum(x) per block (Q4_0: m = -8 d). x [rows, k] float32."""
+    if fmt is Q8_0:
+        raise ValueError("8-bit activations are used with 4-bit weights only")
+    b = _blocks(raw, fmt)
+    d = _halves(b[..., 0:2])
+    m = _halves(b[..., 2:4]) if fmt is Q4_1 else d * -8
+    qs = b[..., 4:] if fmt is Q4_1 else b[..., 2:]
+    q = torch.cat([qs & 15, qs >> 4], dim=-1).float()  # [n, blocks, 32]
+    xb = x.float().reshape(x.shape[0], -1, BLOCK)
+    dx = xb.abs().amax(-1) / 127
+    qx = torch.round(xb / torch.where(dx > 0, dx, 1.0).unsqueeze(-1))
+    integer = torch.einsum("rbk,nbk->rnb", qx, q)
+    return (integer * d.unsqueeze(0) * dx.unsqueeze(1)).sum(-1) + torch.einsum(
+        "rb,nb->rn", xb.sum(-1), m)
+
+
 def embedding(ids: torch.Tensor, raw: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     """The float32 rows `ids` of a quantized embedding table, dequantized as gathered."""
     flat = ids.reshape(-1)
@@ -85,7 +104,9 @@ def embedding(ids: torch.Tensor, raw: torch.Tensor, fmt: BlockFormat) -> torch.T
 
 def pack(raw: torch.Tensor, fmt: BlockFormat, panel: int) -> torch.Tensor:
     """Raw rows [n, ...] of an [n, k] weight -> the 1-d uint8 buffer `kernels.linear_q` reads:
-    the header, then ceil(n / panel) panels of k / 32 records (quant_linear.c), rows past n
+    the header, then ceil(n / panel) panels of k / 32 records (quant_linear.c): the panel's
+    scales (and offsets), then its quants in groups of four positions, each output's four bytes
+    together (GGUF's 4-bit byte j holds weights j and j + 16: it moves whole); rows past n are
     zero (d = m = 0: they compute zeros)."""
     b = _blocks(raw, fmt)
     n, blocks = b.shape[0], b.shape[1]
@@ -97,16 +118,15 @@ def pack(raw: torch.Tensor, fmt: BlockFormat, panel: int) -> torch.Tensor:
     padded_n = -(-n // panel) * panel
     if padded_n != n:
         b = torch.cat([b, b.new_zeros(padded_n - n, *b.shape[1:])])
-    # [panels, panel, blocks, bytes] -> [panels, blocks, bytes, panel]: each byte position of a
-    # block becomes a row of `panel` bytes, one per output column
-    r = b.view(padded_n // panel, panel, blocks, -1).permute(0, 2, 3, 1)
-    if fmt is Q8_0:
-        parts = [r[:, :, 0:2].transpose(2, 3), r[:, :, 2:]]  # d[P] f16, then q[32][P]
-        kernel_type = _KERNEL_Q8
-    else:
-        parts = [r[:, :, 0:2].transpose(2, 3), r[:, :, 2:4].transpose(2, 3), r[:, :, 4:]]
-        kernel_type = _KERNEL_Q4
-    records = torch.cat([p.reshape(p.shape[0], blocks, -1) for p in parts], dim=-1)
+    # [panels, panel, blocks, bytes] -> [panels, blocks, panel, bytes]
+    r = b.view(padded_n // panel, panel, blocks, -1).transpose(1, 2)
+    scales = 4 if fmt is Q4_1 or fmt is Q4_0 else 2  # d (and m), float16 each
+    # the quants as [groups of 4 positions][panel][4]: four consecutive bytes per output
+    q = r[..., scales:]
+    q = q.reshape(*q.shape[:3], -1, 4).permute(0, 1, 3, 2, 4)
+    parts = [r[..., 0:2], q] if fmt is Q8_0 else [r[..., 0:2], r[..., 2:4], q]
+    kernel_type = _KERNEL_Q8 if fmt is Q8_0 else _KERNEL_Q4
+    records = torch.cat([part.reshape(part.shape[0], blocks, -1) for part in parts], dim=-1)
     header = bytearray(HEADER_BYTES)
     struct.pack_into("<IIqqI", header, 0, _MAGIC, kernel_type, n, k, panel)
     return torch.cat([torch.frombuffer(header, dtype=torch.uint8), records.reshape(-1)])

@@ -10,8 +10,10 @@ dtype (`dtype.h`). `linear.c` replaces torch's matmul over weights packed once a
 in bf16 with AVX512-BF16 dot products (`pack_linear`: 1.4x torch at 32 rows, 1.06x at 2048, a
 single row's weights streamed at 2.5x torch's rate), and in float32 over a bf16 checkpoint's
 weights kept as bf16 and widened in registers on every other CPU (`pack_mixed`, `linear_mixed`);
-`quant_linear.c` in float32 over 4- and 8-bit block-quantized weights (GGUF's Q4_0, Q4_1, Q8_0;
-`replicas/quant.py` packs them), unpacked in registers (`linear_q`).
+`quant_linear.c` over 4- and 8-bit block-quantized weights (GGUF's Q4_0, Q4_1, Q8_0;
+`replicas/quant.py` packs them): unpacked to float32 in registers, or for 4-bit weights in
+decode-sized calls multiplied by 8-bit activations with integer dot products, as llama.cpp does
+(`linear_q`; `SHARDSERVE_INT8_ACTIVATIONS=0` keeps float32 activations).
 `llama_layers.c` runs all of a Llama-family model's decoder layers of a step in one call over
 those kernels (`llama_layers`, bf16 or float32).
 
@@ -112,7 +114,8 @@ _LAYERS = [_PTR, _I64] + [_PTR] * 3 + [_I64] * 6 + [_F32] * 2 + [_PTR] * 5 + [_I
 _SINGLE_SIGNATURES = {
     "linear_bf16": [_PTR] * 4 + [_I64] * 3 + [_INT], "linear_bf16_fast": [],
     "linear_mixed": [_PTR] * 4 + [_I64] * 3 + [_INT], "linear_mixed_panel": [],
-    "linear_q": [_PTR] * 4 + [_I64] * 3 + [_INT],
+    "linear_q": [_PTR] * 4 + [_I64] * 3 + [_INT], "linear_q_dot_rows": [],
+    "linear_q_set_dot_rows": [_INT],
     "llama_layers_bf16": _LAYERS, "llama_layers_f32": _LAYERS, "llama_layers_q": _LAYERS,
     "fma_peak": [_I64, _INT],
 }
@@ -154,6 +157,8 @@ def _open() -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(str(_build(compiler, level)))
         _declare(lib)
+        if os.environ.get("SHARDSERVE_INT8_ACTIVATIONS", "1") == "0":
+            lib.linear_q_set_dot_rows(0)  # 4-bit weights multiply float32 activations
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         detail = getattr(e, "stderr", "") or e
         logger.warning("native kernels unavailable (%s): using the torch path", detail)
@@ -357,11 +362,20 @@ def supports_quantized(device: torch.device) -> bool:
     return device.type == "cpu" and load() is not None
 
 
+def quant_dot_rows() -> int:
+    """The most rows a `linear_q` call may have for 4-bit weights to multiply 8-bit activations
+    with integer dot products (AVX2 and AVX-512 builds; 0 elsewhere): see quant_linear.c."""
+    lib = load()
+    return int(lib.linear_q_dot_rows()) if lib is not None else 0
+
+
 def linear_q(x: torch.Tensor, packed: torch.Tensor, out_features: int,
              bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [out_features, K]^T (+ bias) in float32 over `quant.pack(...)` of a
     block-quantized weight, as F.linear over its dequantized values up to the order of the float32
-    additions. Call only where `supports_quantized` holds."""
+    additions; 4-bit weights in calls of at most `quant_dot_rows()` rows take x rounded to 8 bits
+    a 32-block (`quant.dot_reference` says exactly what is computed then). Call only where
+    `supports_quantized` holds."""
     if x.dtype != torch.float32 or packed.dtype != torch.uint8 or (
             bias is not None and bias.dtype != torch.float32):
         raise ValueError("linear_q takes float32 inputs and bias over a packed uint8 weight")

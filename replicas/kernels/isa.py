@@ -6,8 +6,8 @@ written with GCC vector extensions and intrinsics guarded by the compiler's feat
 each build vectorises for its own registers (16 lanes of float32 on AVX-512, 8 on AVX2, 4 on
 NEON and in the portable build's SSE2 or baseline vectors). The levels, best first:
 
-- `avx512_bf16`: AVX-512 with BF16 dot products (Cooper Lake, Sapphire Rapids and later, AMD Zen
-  4 and later): bf16 compute.
+- `avx512_bf16`: AVX-512 with BF16 (and VNNI) dot products (Cooper Lake, Sapphire Rapids and
+  later, AMD Zen 4 and later): bf16 compute.
 - `avx512`: x86-64-v4 (AVX-512 F/BW/DQ/VL) without BF16: float32 compute.
 - `avx2`: x86-64-v3 (AVX2, FMA, F16C, BMI2): float32 compute. Most cloud VMs and laptops.
 - `sve`, `neon`: aarch64 with SVE, or Advanced SIMD only (every aarch64 CPU).
@@ -29,7 +29,7 @@ ENV = "SHARDSERVE_ISA"
 
 # the compiler's target flags for each level
 FLAGS: dict[str, tuple[str, ...]] = {
-    "avx512_bf16": ("-march=x86-64-v4", "-mavx512bf16", "-mtune=generic"),
+    "avx512_bf16": ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mtune=generic"),
     "avx512": ("-march=x86-64-v4", "-mtune=generic"),
     "avx2": ("-march=x86-64-v3", "-mtune=generic"),
     "sve": ("-march=armv8.2-a+sve+bf16",),
@@ -47,7 +47,8 @@ _NEEDS = {
     "sve": {"sve", "bf16"},
     "neon": {"asimd"},
 }
-_NEEDS["avx512_bf16"] = _NEEDS["avx512"] | {"avx512_bf16"}
+# every CPU with AVX512-BF16 (Cooper Lake, Sapphire Rapids, Zen 4) has AVX512-VNNI too
+_NEEDS["avx512_bf16"] = _NEEDS["avx512"] | {"avx512_bf16", "avx512_vnni"}
 
 
 def cpu_flags() -> frozenset[str]:

@@ -1,6 +1,7 @@
 """Multiplies seeded inputs by block-quantized weights with `kernels.linear_q` in a process of its
 own, so that `SHARDSERVE_ISA` picks the kernels' build: `python -m tests.replicas.quant_steps OUT`
-saves {case: (kernel output, dequantize-then-matmul reference)} to OUT."""
+saves {case: (kernel output, reference)} to OUT, the reference the dequantize-then-matmul product,
+or where the build multiplies 8-bit activations (4-bit weights, few rows) `quant.dot_reference`."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import numpy as np
 import torch
 
 # (out features, in features, rows, bias): panels cut short (N not a multiple of any build's
-# panel), a single block, row tiles with every tail
-SHAPES = [(70, 96, 1, False), (33, 32, 5, True), (256, 576, 13, False), (130, 1536, 64, True)]
+# panel), a single block, row tiles with every tail, past the 8-bit activations' row limit (a
+# panel unpacked per 48-row block, then a 2-row tail tile)
+SHAPES = [(70, 96, 1, False), (33, 32, 5, True), (256, 576, 13, False), (130, 1536, 64, True),
+          (40, 64, 50, False)]
 
 
 def cases() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -30,8 +33,10 @@ def cases() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
             bias = torch.randn(n, generator=g) if has_bias else None
             packed = quant.pack(raw, fmt, kernels.float32_panel())
             got = kernels.linear_q(x, packed, n, bias)
-            ref = torch.nn.functional.linear(x, quant.dequantize(raw, fmt), bias)
-            out[f"{fmt.name} {n}x{k} rows={rows} bias={has_bias}"] = (got, ref)
+            dot = fmt is not quant.Q8_0 and rows <= kernels.quant_dot_rows()
+            ref = (quant.dot_reference(x, raw, fmt) + (0 if bias is None else bias) if dot
+                   else torch.nn.functional.linear(x, quant.dequantize(raw, fmt), bias))
+            out[f"{fmt.name} {n}x{k} rows={rows} bias={has_bias} 8-bit x={dot}"] = (got, ref)
     return out
 
 

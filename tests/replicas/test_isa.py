@@ -26,7 +26,8 @@ def test_levels_follow_the_cpu_flags() -> None:
     v4 = v3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
     assert isa.levels(v3, "x86_64") == ("avx2", "portable")
     assert isa.levels(v4, "x86_64") == ("avx512", "avx2", "portable")
-    assert isa.levels(v4 | {"avx512_bf16"}, "x86_64")[0] == "avx512_bf16"
+    assert isa.levels(v4 | {"avx512_bf16", "avx512_vnni"}, "x86_64")[0] == "avx512_bf16"
+    assert isa.levels(v4 | {"avx512_bf16"}, "x86_64")[0] == "avx512"  # no VNNI: not that build
     assert isa.levels(frozenset({"avx2"}), "x86_64") == ("portable",)  # no FMA: not v3
     assert isa.levels(frozenset({"asimd", "sve", "bf16"}), "aarch64") == ("sve", "neon",
                                                                            "portable")
