@@ -12,8 +12,8 @@ single row's weights streamed at 2.5x torch's rate), and in float32 over a bf16 
 weights kept as bf16 and widened in registers on every other CPU (`pack_mixed`, `linear_mixed`);
 `quant_linear.c` over 4- and 8-bit block-quantized weights (GGUF's Q4_0, Q4_1, Q8_0;
 `replicas/quant.py` packs them): unpacked to float32 in registers, or for 4-bit weights in
-decode-sized calls multiplied by 8-bit activations with integer dot products, as llama.cpp does
-(`linear_q`; `SHARDSERVE_INT8_ACTIVATIONS=0` keeps float32 activations).
+decode-sized calls, where `SHARDSERVE_INT8_ACTIVATIONS=1` asks for it, multiplied by 8-bit
+activations with integer dot products as llama.cpp does (`linear_q`).
 `llama_layers.c` runs all of a Llama-family model's decoder layers of a step in one call over
 those kernels (`llama_layers`, bf16 or float32).
 
@@ -157,8 +157,8 @@ def _open() -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(str(_build(compiler, level)))
         _declare(lib)
-        if os.environ.get("SHARDSERVE_INT8_ACTIVATIONS", "1") == "0":
-            lib.linear_q_set_dot_rows(0)  # 4-bit weights multiply float32 activations
+        if os.environ.get("SHARDSERVE_INT8_ACTIVATIONS", "0") == "1":
+            lib.linear_q_set_dot_rows(48)  # decode-sized calls: llama.cpp's 8-bit activations
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         detail = getattr(e, "stderr", "") or e
         logger.warning("native kernels unavailable (%s): using the torch path", detail)
@@ -364,7 +364,8 @@ def supports_quantized(device: torch.device) -> bool:
 
 def quant_dot_rows() -> int:
     """The most rows a `linear_q` call may have for 4-bit weights to multiply 8-bit activations
-    with integer dot products (AVX2 and AVX-512 builds; 0 elsewhere): see quant_linear.c."""
+    with integer dot products (0, the default: never; SHARDSERVE_INT8_ACTIVATIONS=1 on AVX2 and
+    AVX-512 builds: 48): see quant_linear.c."""
     lib = load()
     return int(lib.linear_q_dot_rows()) if lib is not None else 0
 

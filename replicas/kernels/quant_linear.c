@@ -20,14 +20,16 @@
    - float32 (every build; prefill-sized calls everywhere): weights unpacked (mask or shift,
      convert, one FMA with d and m) and multiplied in float32 tiles, a panel unpacked once per
      48-row block where a block has more rows than a tile;
-   - 8-bit activations (4-bit weights, calls of at most 48 rows, on the AVX2 and AVX-512
+   - 8-bit activations, opt-in (4-bit weights, calls of at most 48 rows, on the AVX2 and AVX-512
      builds: vpdpbusd with VNNI, else vpmaddubsw + vpmaddwd): as llama.cpp does, each row's block of 32 activations becomes int8 with a
      float scale (dx = max|x| / 127) and the block's products are integer dot products:
      sum(x w) ~ d dx sum(qx q) + m sum(x). A decode step's unpacking was ~18 vector operations
      per 64 weights in float32; here 64 products take 2 instructions (VNNI) plus a share of the
      nibble split: 3x faster at one row, 2.7x at 32. The same arithmetic as llama.cpp's Q4 x Q8_1
-     dot products; the activations' rounding moves a product by ~0.5-1% of the largest
-     (SHARDSERVE_INT8_ACTIVATIONS=0 keeps float32 activations).
+     dot products; the activations' rounding moves a product by ~0.5-1% of the largest, and a
+     135M model's greedy answers with it are llama.cpp's, not transformers' ("What is the capital
+     of France?": "L'Etoile, la Marseillaise, ..." from both, "The capital of France is Paris."
+     in float32): off unless SHARDSERVE_INT8_ACTIVATIONS=1.
 
    A 64-byte header in front says the type and the shape, and the kernel refuses a buffer whose
    header does not match its arguments. */
@@ -54,9 +56,9 @@ enum { Q4 = 0, Q8 = 1 };
 #else
 #define DOT 0
 #endif
-/* calls of at most this many rows (decode steps) take 8-bit activations; 0: never (set by
-   linear_q_set_dot_rows: SHARDSERVE_INT8_ACTIVATIONS=0) */
-static int dot_rows = DOT ? 48 : 0;
+/* calls of at most this many rows (decode steps) take 8-bit activations; 0 (the default):
+   never. linear_q_set_dot_rows sets it (SHARDSERVE_INT8_ACTIVATIONS=1: 48) */
+static int dot_rows = 0;
 
 typedef struct {
     uint32_t magic, qtype;

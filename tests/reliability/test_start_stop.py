@@ -18,6 +18,7 @@ import httpx
 import psutil
 import pytest
 
+from replicas.status_board import REPORT_PERIOD_S
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.slow
@@ -126,6 +127,9 @@ def test_a_stop_drains_in_flight_and_refuses_new_requests() -> None:
     while httpx.get(f"{base}/health", timeout=10).status_code == 200:
         assert time.monotonic() < deadline, "/health never said draining"
         time.sleep(0.1)
+    # /health's application and the ingress each pull the board every status period: the
+    # ingress may see the flag up to a period (plus a busy loop's lag) after /health did
+    time.sleep(3 * REPORT_PERIOD_S)
     assert worker.is_alive(), "the stream ended before the stop was seen: too little work"
     refused = _chat(base)
     assert refused.status_code == 503, refused.text

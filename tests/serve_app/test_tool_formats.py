@@ -300,7 +300,7 @@ def test_forced_choices_take_the_familys_own_syntax(family: str, compile_grammar
 
 def test_the_flags_choose_the_parsers_else_the_template_does() -> None:
     """--tool-call-parser / --reasoning-parser reach the served model's formats; without them
-    the chat template decides (the embedded model's is Qwen-style: hermes, qwen3)."""
+    the chat template decides (the tiny test model's is Qwen-style: hermes, qwen3)."""
     import argparse
 
     from serve_app import cli
@@ -308,8 +308,8 @@ def test_the_flags_choose_the_parsers_else_the_template_does() -> None:
 
     parser = argparse.ArgumentParser()
     cli._serve_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["serve", "--tool-call-parser", "mistral",
-                              "--reasoning-parser", "none"])
+    args = parser.parse_args(["serve", "--model", "shardserve/tiny-llama",
+                              "--tool-call-parser", "mistral", "--reasoning-parser", "none"])
     model = cli.config_from_args(args).models[0]
     served = load_model(model, handle=None)
     assert served.tool_format.name == "mistral" and served.reasoning_format is None
