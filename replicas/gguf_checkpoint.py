@@ -16,7 +16,6 @@ dequantized by gguf-py at load, to be served in float or re-quantized to Q8_0 by
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -126,7 +125,6 @@ def _write_folder(file: Path, folder: Path) -> None:
     config.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     os.symlink(file, folder / LINK)
-    (folder / "gguf_source.json").write_text(json.dumps({"file": str(file)}))
 
 
 @dataclass(frozen=True)

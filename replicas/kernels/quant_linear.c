@@ -238,38 +238,19 @@ PANEL_ROWS(f32_panel_rows, f32_tile, float)
 /* ---- 8-bit activations: integer dot products over 4-bit weights ---------------------------- */
 #if DOT
 
-#if VBYTES == 64
-typedef __m512i vint;
-#if defined(__AVX512VNNI__)
-KERNEL_INLINE vint dot4(vint acc, vint u, vint s) { return _mm512_dpbusd_epi32(acc, u, s); }
+/* four u8 x s8 products summed into each 32-bit lane of acc (without VNNI: vpmaddubsw to int16
+   pairs, |15 x 127 x 2| fits, then vpmaddwd with ones) */
+KERNEL_INLINE vi dot4(vi acc, vi u, vi s) {
+#if VBYTES == 64 && defined(__AVX512VNNI__)
+    return (vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)u, (__m512i)s);
+#elif VBYTES == 64
+    return acc + (vi)_mm512_madd_epi16(_mm512_maddubs_epi16((__m512i)u, (__m512i)s),
+                                       _mm512_set1_epi16(1));
 #else
-KERNEL_INLINE vint dot4(vint acc, vint u, vint s) {
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s),
-                                                   _mm512_set1_epi16(1)));
-}
+    return acc + (vi)_mm256_madd_epi16(_mm256_maddubs_epi16((__m256i)u, (__m256i)s),
+                                       _mm256_set1_epi16(1));
 #endif
-KERNEL_INLINE vint nibbles_low(vint v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
-KERNEL_INLINE vint nibbles_high(vint v) {
-    return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15));
 }
-KERNEL_INLINE vint bcast(int32_t q) { return _mm512_set1_epi32(q); }
-KERNEL_INLINE vint zero(void) { return _mm512_setzero_si512(); }
-KERNEL_INLINE vint load_int(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
-#else
-typedef __m256i vint;
-/* four u8 x s8 products per 32-bit lane (|15 x 127 x 2| fits vpmaddubsw's int16) */
-KERNEL_INLINE vint dot4(vint acc, vint u, vint s) {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
-                                                   _mm256_set1_epi16(1)));
-}
-KERNEL_INLINE vint nibbles_low(vint v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
-KERNEL_INLINE vint nibbles_high(vint v) {
-    return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15));
-}
-KERNEL_INLINE vint bcast(int32_t q) { return _mm256_set1_epi32(q); }
-KERNEL_INLINE vint zero(void) { return _mm256_setzero_si256(); }
-KERNEL_INLINE vint load_int(const uint8_t *p) { return _mm256_loadu_si256((const void *)p); }
-#endif
 
 /* One row's activations as 8-bit blocks: qx[K] int8, and per block its scale and sum. */
 static void quantize_row(const float *x, int64_t K, int8_t *qx, float *scale, float *sum) {
@@ -295,18 +276,20 @@ KERNEL_INLINE void dot_tile(const int8_t *qx, const float *xd, const float *xs,
     const int64_t blocks = K / QK, rec = record_bytes(Q4);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *r = panel + b * rec, *qs = r + 4 * P;
-        vint isum[8][2];
-        for (int i = 0; i < MT; i++) isum[i][0] = isum[i][1] = zero();
+        vi isum[8][2];
+        for (int i = 0; i < MT; i++) isum[i][0] = isum[i][1] = (vi){0};
+        const vi low = (vi){0} + 0x0f0f0f0f; /* each byte's low nibble */
         for (int g = 0; g < 4; g++) {
-            const vint v0 = load_int(qs + 4 * P * g), v1 = load_int(qs + 4 * P * g + 4 * LANES);
-            const vint lo0 = nibbles_low(v0), lo1 = nibbles_low(v1);
-            const vint hi0 = nibbles_high(v0), hi1 = nibbles_high(v1);
+            const vi v0 = quads(qs + 4 * P * g), v1 = quads(qs + 4 * P * g + 4 * LANES);
+            const vi lo0 = v0 & low, lo1 = v1 & low;
+            /* a 32-bit shift moves each byte's high nibble down; the mask drops what came in */
+            const vi hi0 = (v0 >> 4) & low, hi1 = (v1 >> 4) & low;
             for (int i = 0; i < MT; i++) {
                 const int8_t *q = qx + (m0 + i) * K + b * QK;
                 int32_t a, c;
                 memcpy(&a, q + 4 * g, 4);
                 memcpy(&c, q + 16 + 4 * g, 4);
-                const vint xa = bcast(a), xc = bcast(c);
+                const vi xa = (vi){0} + a, xc = (vi){0} + c;
                 isum[i][0] = dot4(dot4(isum[i][0], lo0, xa), hi0, xc);
                 isum[i][1] = dot4(dot4(isum[i][1], lo1, xa), hi1, xc);
             }
@@ -315,8 +298,8 @@ KERNEL_INLINE void dot_tile(const int8_t *qx, const float *xd, const float *xs,
         const vf o0 = halves(r + 2 * P), o1 = halves(r + 2 * P + 2 * LANES);
         for (int i = 0; i < MT; i++) {
             const float dx = xd[(m0 + i) * blocks + b], sx = xs[(m0 + i) * blocks + b];
-            acc[i][0] += __builtin_convertvector((vi)isum[i][0], vf) * (d0 * dx) + o0 * sx;
-            acc[i][1] += __builtin_convertvector((vi)isum[i][1], vf) * (d1 * dx) + o1 * sx;
+            acc[i][0] += __builtin_convertvector(isum[i][0], vf) * (d0 * dx) + o0 * sx;
+            acc[i][1] += __builtin_convertvector(isum[i][1], vf) * (d1 * dx) + o1 * sx;
         }
     }
     store_rows(acc, bias, y, N, m0, n0, MT);
