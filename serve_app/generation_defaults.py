@@ -8,11 +8,8 @@ from either, the OpenAI defaults apply (temperature 1, no truncation, no penalty
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass, fields
 from pathlib import Path
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
