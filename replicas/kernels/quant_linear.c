@@ -125,16 +125,26 @@ KERNEL_INLINE vi quads(const uint8_t *p) {
 
 /* ---- float32: unpacked weights ------------------------------------------------------------ */
 
+/* One weight position of LANES outputs from a quads() load: 4-bit, the nibble at `shift`
+   (8 i for position 4g + i, 8 i + 4 for 16 + 4g + i) times d plus m; 8-bit, byte i
+   sign-extended (shifted to the top, then back) times d. */
+KERNEL_INLINE vf q4_weight(vi v, int shift, vf d, vf o) {
+    return __builtin_convertvector((v >> shift) & ((vi){0} + 15), vf) * d + o;
+}
+
+KERNEL_INLINE vf q8_weight(vi v, int i, vf d) {
+    return __builtin_convertvector((v << (24 - 8 * i)) >> 24, vf) * d;
+}
+
 /* block b's 32 weights of the panel's LANES outputs h*LANES.., as float32: w[k] for k 0..31 */
 KERNEL_INLINE void q4_block(const uint8_t *r, int h, vf w[QK]) {
     const vf d = halves(r + 2 * LANES * h), o = halves(r + 2 * P + 2 * LANES * h);
     const uint8_t *qs = r + 4 * P + 4 * LANES * h;
-    const vi low = (vi){0} + 15;
     for (int g = 0; g < 4; g++) {
         const vi v = quads(qs + 4 * P * g);
         for (int i = 0; i < 4; i++) {
-            w[4 * g + i] = __builtin_convertvector((v >> (8 * i)) & low, vf) * d + o;
-            w[16 + 4 * g + i] = __builtin_convertvector((v >> (8 * i + 4)) & low, vf) * d + o;
+            w[4 * g + i] = q4_weight(v, 8 * i, d, o);
+            w[16 + 4 * g + i] = q4_weight(v, 8 * i + 4, d, o);
         }
     }
 }
@@ -144,8 +154,7 @@ KERNEL_INLINE void q8_block(const uint8_t *r, int h, vf w[QK]) {
     const uint8_t *qs = r + 2 * P + 4 * LANES * h;
     for (int g = 0; g < 8; g++) {
         const vi v = quads(qs + 4 * P * g);
-        for (int i = 0; i < 4; i++)  /* byte i, sign-extended: up to the top, then back */
-            w[4 * g + i] = __builtin_convertvector((v << (24 - 8 * i)) >> 24, vf) * d;
+        for (int i = 0; i < 4; i++) w[4 * g + i] = q8_weight(v, i, d);
     }
 }
 
@@ -158,25 +167,17 @@ KERNEL_INLINE void q4_tile(const float *x, const uint8_t *panel, const float *bi
     const float *xr[8];
     for (int i = 0; i < MT; i++) xr[i] = x + (m0 + i) * K;
     const int64_t rec = record_bytes(Q4);
-    const vi low = (vi){0} + 15;
     for (int64_t b = 0; b < K / QK; b++) {
         const uint8_t *r = panel + b * rec, *qs = r + 4 * P;
         const vf d0 = halves(r), d1 = halves(r + 2 * LANES);
         const vf o0 = halves(r + 2 * P), o1 = halves(r + 2 * P + 2 * LANES);
         for (int g = 0; g < 4; g++) {
             const vi v0 = quads(qs + 4 * P * g), v1 = quads(qs + 4 * P * g + 4 * LANES);
-            for (int i = 0; i < 4; i++) {
-                for (int half = 0; half < 2; half++) {  /* weight 4g + i, then 16 + 4g + i */
-                    const int shift = 8 * i + 4 * half;
-                    const vf w0 = __builtin_convertvector((v0 >> shift) & low, vf) * d0 + o0;
-                    const vf w1 = __builtin_convertvector((v1 >> shift) & low, vf) * d1 + o1;
-                    const int64_t k = b * QK + 16 * half + 4 * g + i;
-                    for (int m = 0; m < MT; m++) {
-                        acc[m][0] += xr[m][k] * w0;
-                        acc[m][1] += xr[m][k] * w1;
-                    }
-                }
-            }
+            for (int i = 0; i < 4; i++)
+                for (int half = 0; half < 2; half++)  /* weight 4g + i, then 16 + 4g + i */
+                    add_rows(acc, xr, b * QK + 16 * half + 4 * g + i,
+                             q4_weight(v0, 8 * i + 4 * half, d0, o0),
+                             q4_weight(v1, 8 * i + 4 * half, d1, o1), MT);
         }
     }
     store_rows(acc, bias, y, N, m0, n0, MT);
@@ -194,15 +195,9 @@ KERNEL_INLINE void q8_tile(const float *x, const uint8_t *panel, const float *bi
         const vf d0 = halves(r), d1 = halves(r + 2 * LANES);
         for (int g = 0; g < 8; g++) {
             const vi v0 = quads(qs + 4 * P * g), v1 = quads(qs + 4 * P * g + 4 * LANES);
-            for (int i = 0; i < 4; i++) {  /* byte i, sign-extended: up to the top, then back */
-                const vf w0 = __builtin_convertvector((v0 << (24 - 8 * i)) >> 24, vf) * d0;
-                const vf w1 = __builtin_convertvector((v1 << (24 - 8 * i)) >> 24, vf) * d1;
-                const int64_t k = b * QK + 4 * g + i;
-                for (int m = 0; m < MT; m++) {
-                    acc[m][0] += xr[m][k] * w0;
-                    acc[m][1] += xr[m][k] * w1;
-                }
-            }
+            for (int i = 0; i < 4; i++)
+                add_rows(acc, xr, b * QK + 4 * g + i, q8_weight(v0, i, d0), q8_weight(v1, i, d1),
+                         MT);
         }
     }
     store_rows(acc, bias, y, N, m0, n0, MT);

@@ -70,6 +70,15 @@ KERNEL_INLINE void store_rows(vf acc[8][2], const float *bias, float *y, int64_t
     }
 }
 
+/* acc[m] += x[m][k] * (w0, w1) for the tile's MT rows */
+KERNEL_INLINE void add_rows(vf acc[8][2], const float *const xr[8], int64_t k, vf w0, vf w1,
+                            int MT) {
+    for (int m = 0; m < MT; m++) {
+        acc[m][0] += xr[m][k] * w0;
+        acc[m][1] += xr[m][k] * w1;
+    }
+}
+
 /* NAME(x, panel, bias, y, m0, m1, N, K, n0): rows m0 .. m1 of x against one panel of W, in
    tiles of MIXED_ROWS and a tail */
 #define PANEL_ROWS(NAME, TILE, W)                                                  \
@@ -91,14 +100,8 @@ KERNEL_INLINE void store_rows(vf acc[8][2], const float *bias, float *y, int64_t
         for (int i = 0; i < MT; i++) acc[i][0] = acc[i][1] = (vf){0};                        \
         const float *xr[8];                                                                   \
         for (int i = 0; i < MT; i++) xr[i] = x + (m0 + i) * K;                               \
-        for (int64_t k = 0; k < K; k++) {                                                     \
-            const vf w0 = LOAD(panel + k * PANEL_MIXED);                                      \
-            const vf w1 = LOAD(panel + k * PANEL_MIXED + LANES);                              \
-            for (int i = 0; i < MT; i++) {                                                    \
-                const float xv = xr[i][k];                                                    \
-                acc[i][0] += xv * w0;                                                         \
-                acc[i][1] += xv * w1;                                                         \
-            }                                                                                 \
-        }                                                                                     \
+        for (int64_t k = 0; k < K; k++)                                                       \
+            add_rows(acc, xr, k, LOAD(panel + k * PANEL_MIXED),                               \
+                     LOAD(panel + k * PANEL_MIXED + LANES), MT);                              \
         store_rows(acc, bias, y, N, m0, n0, MT);                                              \
     }
