@@ -47,17 +47,25 @@ def _unavailable(why: str) -> EngineError:
 
 
 class Streams:
-    """request id -> its Outbox, on the replica's event loop."""
+    """request id -> its Outbox, on the replica's event loop. `producing` counts the open requests
+    that have had output: the streams that share the replica's message budget, known here
+    exactly and at once (the core's heartbeat count is up to HEARTBEAT_S old, and a short burst
+    of requests can start and finish between two beats)."""
 
     def __init__(self) -> None:
         self.outboxes: dict[str, Outbox] = {}
+        self.producing = 0
 
     def open(self, request_id: str) -> Outbox:
         box = self.outboxes[request_id] = Outbox()
         return box
 
     def close(self, request_id: str) -> None:
-        self.outboxes.pop(request_id, None)
+        self._drop(self.outboxes.pop(request_id, None))
+
+    def _drop(self, box: Outbox | None) -> None:
+        if box is not None and box.started:
+            self.producing -= 1
 
     def dispatch(self, outputs: list[tuple[str, TokenBatch]],
                  errors: list[tuple[str, BaseException]]) -> None:
@@ -65,14 +73,18 @@ class Streams:
         for request_id, batch in outputs:
             box = boxes.get(request_id)
             if box is not None:
+                if not box.started:
+                    self.producing += 1
                 box.put(batch)
         for request_id, exc in errors:
             box = boxes.pop(request_id, None)
             if box is not None:
+                self._drop(box)
                 box.put(exc)
 
     def fail_all(self, exc: EngineError) -> None:
         boxes, self.outboxes = self.outboxes, {}
+        self.producing = 0
         for box in boxes.values():
             box.put(exc)
 
@@ -98,9 +110,6 @@ class InProcessCore:
 
     def stop_choice(self, request_id: str, choice: int, kept: int) -> None:
         self.engine.stop_choice(request_id, choice, kept)
-
-    def num_running(self) -> int:
-        return self.engine.num_running
 
     def stats(self) -> dict[str, Any]:
         return {**self.core.stats(), "core_pid": os.getpid(), "core_restarts": 0}
@@ -186,9 +195,6 @@ class ProcessCore:
                 logger.warning("engine core unreachable; %d commands dropped", len(commands))
 
     # ---- state ---------------------------------------------------------------------------------
-    def num_running(self) -> int:
-        return self._stats["num_running"]
-
     def stats(self) -> dict[str, Any]:
         """The core's last heartbeat (at most HEARTBEAT_S old) and the supervisor's view."""
         stats = dict(self._stats)

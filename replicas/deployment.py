@@ -107,7 +107,7 @@ class LLMServer:
                 first = False
                 remaining -= sum(b.finish_reason is not None for b in batches)
                 if budget:
-                    outbox.hold_until = time.monotonic() + self.core.num_running() / budget
+                    outbox.hold_until = time.monotonic() + self.core.streams.producing / budget
                 self.stream_messages += 1
                 yield batches
         finally:

@@ -40,6 +40,11 @@ class Outbox:
         if waiter is not None and not waiter.done() and self._due():
             waiter.set_result(None)
 
+    @property
+    def started(self) -> bool:
+        """Whether any choice has had a batch (the request is producing output)."""
+        return bool(self._seen)
+
     def _due(self) -> bool:
         if not self._items:
             return False
