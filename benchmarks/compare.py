@@ -243,7 +243,8 @@ def engine_alone(path: Path, requests: list[BenchRequest], tokenizer: Any,
             "total_output_tokens": result["output_tokens"], "completed": result["num_seqs"],
             "decode_only_step_ms": result["decode_only_step_ms"], "prompt_len": prompt_len,
             "single_stream_pass_ms": result["single_stream_pass_ms"],
-            "prompt_forward_ms": result["prompt_forward_ms"]}
+            "prompt_forward_ms": result["prompt_forward_ms"],
+            "prefill_ms_per_prompt_token": 1e3 * result["prefill_steps_s"] / result["input_tokens"]}
 
 
 def run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
@@ -317,7 +318,9 @@ def _front_counters(base: str) -> dict[str, float]:
     streamed messages from /metrics (summed over models)."""
     import psutil
 
-    counters = {"front_cpu_s": 0.0, "core_cpu_s": 0.0, "steps": 0.0, "messages": 0.0}
+    counters = {"front_cpu_s": 0.0, "core_cpu_s": 0.0, "steps": 0.0, "messages": 0.0,
+                "decode_steps": 0.0, "decode_step_s": 0.0, "prefill_step_s": 0.0,
+                "prompt_tokens": 0.0}
     for proc in psutil.process_iter(["cmdline", "cpu_times"]):
         cmdline = " ".join(proc.info["cmdline"] or ())
         times = proc.info["cpu_times"]
@@ -333,6 +336,14 @@ def _front_counters(base: str) -> dict[str, float]:
             counters["steps"] += float(line.rsplit(" ", 1)[1])
         elif name == "shardserve:replica_stream_messages_total":
             counters["messages"] += float(line.rsplit(" ", 1)[1])
+        elif name == "shardserve:engine_decode_steps_total":
+            counters["decode_steps"] += float(line.rsplit(" ", 1)[1])
+        elif name == "shardserve:engine_decode_step_seconds_total":
+            counters["decode_step_s"] += float(line.rsplit(" ", 1)[1])
+        elif name == "shardserve:engine_prefill_step_seconds_total":
+            counters["prefill_step_s"] += float(line.rsplit(" ", 1)[1])
+        elif name == "vllm:prompt_tokens_total":
+            counters["prompt_tokens"] += float(line.rsplit(" ", 1)[1])
     return counters
 
 
@@ -345,7 +356,9 @@ def _front_costs(before: dict[str, float], after: dict[str, float]) -> dict[str,
     return {"front_cpu_s": d["front_cpu_s"], "core_cpu_s": d["core_cpu_s"],
             "engine_steps": d["steps"], "stream_messages": d["messages"],
             "front_cpu_ms_per_step": 1e3 * d["front_cpu_s"] / steps,
-            "front_cpu_ms_per_message": 1e3 * d["front_cpu_s"] / messages}
+            "front_cpu_ms_per_message": 1e3 * d["front_cpu_s"] / messages,
+            "decode_only_step_ms": 1e3 * d["decode_step_s"] / max(d["decode_steps"], 1.0),
+            "prefill_ms_per_prompt_token": 1e3 * d["prefill_step_s"] / max(d["prompt_tokens"], 1.0)}
 
 
 def _median(values: list[float]) -> float | None:
@@ -404,10 +417,21 @@ def floors(results: dict[str, list[dict[str, Any]]]) -> list[str]:
         ttft = [r.get("median_ttft_ms") and e.get("prompt_forward_ms")
                 and r["median_ttft_ms"] / (e["prompt_forward_ms"] + 5.0)
                 for r, e in zip(results[name], engine)]
+        # the same steps served and alone: the cost of sharing the cores with the serving path
+        step = [r.get("decode_only_step_ms") and e.get("decode_only_step_ms")
+                and r["decode_only_step_ms"] / e["decode_only_step_ms"]
+                for r, e in zip(results[name], engine)]
         tpot_ratio, ttft_ratio = _median([x for x in tpot if x]), _median([x for x in ttft if x])
+        prefill = [r.get("prefill_ms_per_prompt_token") and e.get("prefill_ms_per_prompt_token")
+                   and r["prefill_ms_per_prompt_token"] / e["prefill_ms_per_prompt_token"]
+                   for r, e in zip(results[name], engine)]
+        step_ratio, prefill_ratio = _median([x for x in step if x]), _median([x for x in prefill if x])
         if tpot_ratio:
             lines.append(f"{name}: TPOT p50 / one pass over the weights {tpot_ratio:.2f}x; "
                          f"TTFT p50 / (bare forward over the prompt + 5 ms) {ttft_ratio:.2f}x")
+        if step_ratio and prefill_ratio:
+            lines.append(f"{name}: served / alone: decode-only step {step_ratio:.2f}x, prefill "
+                         f"steps' seconds per prompt token {prefill_ratio:.2f}x")
     return lines
 
 

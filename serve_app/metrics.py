@@ -62,6 +62,13 @@ class Metrics:
                               "Model replicas whose state reached the ingress recently", label,
                               registry=r)
         self.steps = Gauge("shardserve:engine_steps_total", "Engine steps", label, registry=r)
+        # where the engine's time goes: steps that only decode, and steps that also prefill
+        self.step_kinds = {
+            kind: (Gauge(f"shardserve:engine_{kind}_steps_total",
+                         f"Engine steps that {what}", label, registry=r),
+                   Gauge(f"shardserve:engine_{kind}_step_seconds_total",
+                         f"Seconds of engine steps that {what}", label, registry=r))
+            for kind, what in (("decode", "only decode"), ("prefill", "also prefill"))}
         self.stream_messages = Gauge("shardserve:replica_stream_messages_total",
                                      "Messages the replicas streamed to the ingress", label,
                                      registry=r)
@@ -110,6 +117,9 @@ class Metrics:
         self.preemptions.labels(model).set(total("preemptions"))
         self.forced.labels(model).set(total("forced_tokens"))
         self.steps.labels(model).set(total("num_steps"))
+        for kind, (steps, seconds) in self.step_kinds.items():
+            steps.labels(model).set(total(f"{kind}_steps"))
+            seconds.labels(model).set(total(f"{kind}_step_s"))
         self.stream_messages.labels(model).set(total("stream_messages"))
         self.core_restarts.labels(model).set(total("core_restarts"))
         combos = collections.Counter((r["dtype"], r.get("isa") or "gpu") for r in reports

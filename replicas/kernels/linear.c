@@ -99,7 +99,8 @@ int linear_bf16(const void *x, const void *w, const void *bias, void *y, int64_t
     const uint16_t *xs = x, *ws = w, *bs = bias;
     uint16_t *ys = y;
     const int64_t panels = (N + PANEL - 1) / PANEL, panel_size = (K + 1) / 2 * 2 * PANEL;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
+    /* one panel at a time (FOR_PANELS): each panel passes over every row here */
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
     for (int64_t t = 0; t < panels; t++)
         panel_rows(xs, ws + t * panel_size, bs, ys, M, N, K, t * PANEL);
     return 0;
@@ -152,9 +153,8 @@ int linear_mixed(const void *x, const void *w, const void *bias, void *y, int64_
 #pragma omp parallel num_threads(num_threads)
     for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
         const int64_t m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
-#pragma omp for schedule(static) nowait
-        for (int64_t t = 0; t < panels; t++)
-            mixed_panel_rows(xs, ws + t * panel_size, bs, ys, m0, m1, N, K, t * PANEL_MIXED);
+        FOR_PANELS(t, panels, M,
+                   mixed_panel_rows(xs, ws + t * panel_size, bs, ys, m0, m1, N, K, t * PANEL_MIXED))
     }
     return 0;
 }

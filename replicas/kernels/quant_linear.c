@@ -328,7 +328,7 @@ static int linear_dot(const float *x, const uint8_t *ws, const float *bias, floa
     float *xs = xd + M * blocks;
     for (int64_t m = 0; m < M; m++)
         quantize_row(x + m * K, K, qx + m * K, xd + m * blocks, xs + m * blocks);
-#pragma omp parallel for num_threads(num_threads) schedule(static)
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
     for (int64_t t = 0; t < panels; t++)
         dot_panel_rows(qx, xd, xs, ws + t * panel_size, bias, y, M, N, K, t * P);
     free(qx);
@@ -336,6 +336,21 @@ static int linear_dot(const float *x, const uint8_t *ws, const float *bias, floa
     return 0;
 }
 #endif
+
+/* One panel against rows m0..m1 of x: unpacked once into `unpacked` for a block of rows (when
+   there is a workspace), else per tile in registers. */
+static void q_panel(int qtype, const float *x, const uint8_t *panel, float *unpacked,
+                    const float *bias, float *y, int64_t m0, int64_t m1, int64_t N, int64_t K,
+                    int64_t n0) {
+    if (unpacked != NULL && m1 - m0 > MIXED_ROWS) {
+        unpack(qtype, panel, unpacked, K);
+        f32_panel_rows(x, unpacked, bias, y, m0, m1, N, K, n0);
+    } else if (qtype == Q4) {
+        q4_panel_rows(x, panel, bias, y, m0, m1, N, K, n0);
+    } else {
+        q8_panel_rows(x, panel, bias, y, m0, m1, N, K, n0);
+    }
+}
 
 /* x [M, K] float32, packed w (header + panels, above), bias [N] float32 or NULL, y [M, N]
    float32. Returns 2 where the header does not describe an [N, K] weight of this build's panel
@@ -355,25 +370,15 @@ int linear_q(const void *x, const void *w, const void *bias, void *y, int64_t M,
         return 0;
 #endif
     const int64_t panels = (N + P - 1) / P, panel_size = K / QK * record_bytes(h.qtype);
-    const int q4 = h.qtype == Q4;
 #pragma omp parallel num_threads(num_threads)
     {
         /* NULL (one tile of rows, or no memory): every tile unpacks in registers */
         float *unpacked = M > MIXED_ROWS ? malloc((size_t)K * P * sizeof(float)) : NULL;
         for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
             const int64_t m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
-#pragma omp for schedule(static) nowait
-            for (int64_t t = 0; t < panels; t++) {
-                const uint8_t *panel = ws + t * panel_size;
-                if (unpacked != NULL && m1 - m0 > MIXED_ROWS) {
-                    unpack(h.qtype, panel, unpacked, K);
-                    f32_panel_rows(xs, unpacked, bs, ys, m0, m1, N, K, t * P);
-                } else if (q4) {
-                    q4_panel_rows(xs, panel, bs, ys, m0, m1, N, K, t * P);
-                } else {
-                    q8_panel_rows(xs, panel, bs, ys, m0, m1, N, K, t * P);
-                }
-            }
+            FOR_PANELS(t, panels, M,
+                       q_panel(h.qtype, xs, ws + t * panel_size, unpacked, bs, ys, m0, m1, N,
+                               K, t * P))
         }
         free(unpacked);
     }
