@@ -328,9 +328,9 @@ static int linear_dot(const float *x, const uint8_t *ws, const float *bias, floa
     float *xs = xd + M * blocks;
     for (int64_t m = 0; m < M; m++)
         quantize_row(x + m * K, K, qx + m * K, xd + m * blocks, xs + m * blocks);
-#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
-    for (int64_t t = 0; t < panels; t++)
-        dot_panel_rows(qx, xd, xs, ws + t * panel_size, bias, y, M, N, K, t * P);
+#pragma omp parallel num_threads(num_threads)
+    FOR_PANELS(t, panels, M, dot_panel_rows(qx, xd, xs, ws + t * panel_size, bias, y, M, N, K,
+                                            t * P))
     free(qx);
     free(xd);
     return 0;

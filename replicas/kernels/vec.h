@@ -28,15 +28,17 @@
 #define PANEL_MIXED (2 * LANES) /* output columns per panel: two vectors */
 #define ROW_BLOCK 48 /* rows of x per block: 48 x 1536 floats is 288 KiB */
 
-/* Inside a parallel region, BODY for each panel t < PANELS, split across the team. With one
-   block of rows (decode steps) panels go one at a time to whichever thread is free: where the
-   cores are shared (the serving path's processes, a neighbour on a VM) a preempted thread then
-   holds up one panel, not a static half of the matrix, which the whole team would wait for at
-   the region's end (served decode steps 13% slower than the engine's alone with static, 4% faster
-   with dynamic, on a 2-core Zen 4). With several row blocks (prefill) each thread keeps the same
-   panels from block to block, in its own L2. */
+/* Inside a parallel region, BODY for each panel t < PANELS, split across the team. Calls of a few
+   rows stream their weights from memory: each thread takes a contiguous half, the run the
+   prefetchers follow (panels dealt one at a time made single-stream decode steps 15-60% slower).
+   Decode batches are compute-bound: panels go one at a time to whichever thread is free, so
+   where the cores are shared (the serving path's processes, a neighbour on a VM) a preempted
+   thread holds up one panel, not a static half of the matrix that the whole team would wait for
+   at the region's end. With several row blocks (prefill) each thread keeps the same panels from
+   block to block, in its own L2. */
+#define STREAM_ROWS 8
 #define FOR_PANELS(t, PANELS, M, BODY)                                 \
-    if ((M) <= ROW_BLOCK) {                                            \
+    if ((M) > STREAM_ROWS && (M) <= ROW_BLOCK) {                       \
         _Pragma("omp for schedule(dynamic, 1) nowait")                 \
         for (int64_t t = 0; t < (PANELS); t++) BODY;                   \
     } else {                                                           \
