@@ -34,7 +34,8 @@ from replicas.request import EngineError, GenerateRequest, TokenBatch
 
 logger = logging.getLogger(__name__)
 
-READY_TIMEOUT_S = 900.0  # loading a big model from a slow disk
+READY_TIMEOUT_S = 900.0
+SPIN_COUNT = 10_000  # libgomp's spins before an idle OpenMP thread sleeps (default 300,000)  # loading a big model from a slow disk
 MAX_RESTARTS, RESTART_WINDOW_S = 5, 300.0
 # what stats() says before a core's first heartbeat
 NO_STATS = {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0, "failed": None,
@@ -247,11 +248,13 @@ class ProcessCore:
         env = dict(os.environ)
         # the core imports what this process imports (a Ray job's working_dir and py_modules)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        # OpenMP threads that sleep at the end of a parallel region instead of spinning: on a
-        # box where the ingress, the replica and HAProxy share the cores with the engine,
-        # spinning threads took the CPU they needed (2 cores, a burst of 1,000: refusals in
-        # 2.96 s instead of 6.6 s; bench engine alone: benchmarks/RESULTS.md)
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        # OpenMP threads spin briefly at the end of a parallel region (~0.1 ms), then sleep:
+        # a decode step is hundreds of regions back to back, and waking sleeping threads for
+        # each doubled a single-stream step (6.6 -> 13.2 ms); spinning without end (libgomp's
+        # default spins for milliseconds) took the CPU the ingress needed on 2 cores (a burst's
+        # refusals in 6.6 s instead of 3). The environment's own settings win.
+        if "OMP_WAIT_POLICY" not in env:
+            env.setdefault("GOMP_SPINCOUNT", str(SPIN_COUNT))
         proc = subprocess.Popen(
             [sys.executable, "-m", "replicas.engine_core", "--spec", spec_file,
              "--input", in_addr, "--output", out_addr, "--parent", str(os.getpid())],
