@@ -311,6 +311,13 @@ def _model_rss_mb(peer: str) -> float | None:
 
 # the model replica's process (the front) and its engine core's, by their `ps` names
 FRONT, CORE = "LLMReplica", "shardserve::EngineCore"
+# /metrics series -> counter
+_METRICS = {"shardserve:engine_steps_total": "steps",
+            "shardserve:replica_stream_messages_total": "messages",
+            "shardserve:engine_decode_steps_total": "decode_steps",
+            "shardserve:engine_decode_step_seconds_total": "decode_step_s",
+            "shardserve:engine_prefill_step_seconds_total": "prefill_step_s",
+            "vllm:prompt_tokens_total": "prompt_tokens"}
 
 
 def _front_counters(base: str) -> dict[str, float]:
@@ -318,9 +325,7 @@ def _front_counters(base: str) -> dict[str, float]:
     streamed messages from /metrics (summed over models)."""
     import psutil
 
-    counters = {"front_cpu_s": 0.0, "core_cpu_s": 0.0, "steps": 0.0, "messages": 0.0,
-                "decode_steps": 0.0, "decode_step_s": 0.0, "prefill_step_s": 0.0,
-                "prompt_tokens": 0.0}
+    counters = {"front_cpu_s": 0.0, "core_cpu_s": 0.0, **dict.fromkeys(_METRICS.values(), 0.0)}
     for proc in psutil.process_iter(["cmdline", "cpu_times"]):
         cmdline = " ".join(proc.info["cmdline"] or ())
         times = proc.info["cpu_times"]
@@ -331,19 +336,9 @@ def _front_counters(base: str) -> dict[str, float]:
         if key:
             counters[key] += times.user + times.system
     for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
-        name = line.split("{", 1)[0]
-        if name == "shardserve:engine_steps_total":
-            counters["steps"] += float(line.rsplit(" ", 1)[1])
-        elif name == "shardserve:replica_stream_messages_total":
-            counters["messages"] += float(line.rsplit(" ", 1)[1])
-        elif name == "shardserve:engine_decode_steps_total":
-            counters["decode_steps"] += float(line.rsplit(" ", 1)[1])
-        elif name == "shardserve:engine_decode_step_seconds_total":
-            counters["decode_step_s"] += float(line.rsplit(" ", 1)[1])
-        elif name == "shardserve:engine_prefill_step_seconds_total":
-            counters["prefill_step_s"] += float(line.rsplit(" ", 1)[1])
-        elif name == "vllm:prompt_tokens_total":
-            counters["prompt_tokens"] += float(line.rsplit(" ", 1)[1])
+        key = _METRICS.get(line.split("{", 1)[0])
+        if key is not None:
+            counters[key] += float(line.rsplit(" ", 1)[1])
     return counters
 
 

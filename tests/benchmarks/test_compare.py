@@ -101,6 +101,7 @@ def test_the_engine_peer_runs_bench_engine_on_the_loads_shape() -> None:
     assert 12 < result["prompt_len"] < 60
     # the floors for the latency yardsticks, measured in the same subprocess
     assert result["single_stream_pass_ms"] > 0 and result["prompt_forward_ms"] > 0
+    assert result["prefill_ms_per_prompt_token"] > 0
 
 
 def test_latencies_are_reported_against_the_same_rounds_floors() -> None:
@@ -116,5 +117,28 @@ def test_latencies_are_reported_against_the_same_rounds_floors() -> None:
     last = table(results).splitlines()[-1]
     assert last.startswith("shardserve: TPOT p50 / one pass over the weights 1.25x")
     assert last.endswith("TTFT p50 / (bare forward over the prompt + 5 ms) 1.30x")
+    # the served core's steps against the engine alone's, paired by round
+    for mine, alone, step, prefill in zip(results["shardserve"], results["engine"],
+                                          (33.0, 80.0), (0.72, 1.2)):
+        mine.update(decode_only_step_ms=step, prefill_ms_per_prompt_token=prefill)
+        alone.update(decode_only_step_ms=30.0, prefill_ms_per_prompt_token=0.6)
+    assert table(results).splitlines()[-1] == (
+        "shardserve: served / alone: decode-only step 1.88x, prefill steps' seconds per prompt "
+        "token 1.60x")
     # without the engine peer there is no floor to report
     assert "one pass" not in table({"shardserve": results["shardserve"]})
+
+
+def test_front_costs_divide_the_load_s_counters() -> None:
+    from benchmarks.compare import _front_costs
+
+    before = {"front_cpu_s": 1.0, "core_cpu_s": 10.0, "steps": 100.0, "messages": 50.0,
+              "decode_steps": 90.0, "decode_step_s": 2.7, "prefill_step_s": 1.0,
+              "prompt_tokens": 1000.0}
+    after = {"front_cpu_s": 2.0, "core_cpu_s": 30.0, "steps": 600.0, "messages": 1050.0,
+             "decode_steps": 590.0, "decode_step_s": 17.7, "prefill_step_s": 4.0,
+             "prompt_tokens": 6000.0}
+    costs = _front_costs(before, after)
+    assert costs["front_cpu_ms_per_step"] == 2.0 and costs["front_cpu_ms_per_message"] == 1.0
+    assert abs(costs["decode_only_step_ms"] - 30.0) < 1e-9
+    assert abs(costs["prefill_ms_per_prompt_token"] - 0.6) < 1e-9
