@@ -34,8 +34,8 @@ from replicas.request import EngineError, GenerateRequest, TokenBatch
 
 logger = logging.getLogger(__name__)
 
-READY_TIMEOUT_S = 900.0
-SPIN_COUNT = 10_000  # libgomp's spins before an idle OpenMP thread sleeps (default 300,000)  # loading a big model from a slow disk
+READY_TIMEOUT_S = 900.0  # loading a big model from a slow disk
+SPIN_COUNT = 10_000  # libgomp's spins before an idle OpenMP thread sleeps (default 300,000)
 MAX_RESTARTS, RESTART_WINDOW_S = 5, 300.0
 # what stats() says before a core's first heartbeat
 NO_STATS = {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0, "failed": None,

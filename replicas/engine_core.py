@@ -307,8 +307,8 @@ async def _serve(spec: CoreSpec, input_addr: str, output_addr: str, parent: int)
     inp.connect(input_addr)
     loop = asyncio.get_running_loop()
 
-    # only shard actors need Ray: a core at tp = 1 that joined the cluster as a driver ran its
-    # decode steps at half speed under Serve (14 against 6.5 ms a step, one stream)
+    # only shard actors need Ray: a core at tp = 1 does not join the cluster (a driver's
+    # threads and connections for nothing)
     if spec.ray_address is not None and spec.config.tensor_parallel_size > 1:
         import ray
         ray.init(address=spec.ray_address, namespace=spec.ray_namespace,
