@@ -398,29 +398,30 @@ def front_lines(results: dict[str, list[dict[str, Any]]]) -> list[str]:
     return lines
 
 
+def _paired(runs: list[dict[str, Any]], engine: list[dict[str, Any]], key: str,
+            floor: str, plus: float = 0.0) -> float | None:
+    """The median over rounds of run[key] / (the engine run's floor + plus), same round, over
+    the rounds that have both."""
+    return _median([r[key] / (e[floor] + plus) for r, e in zip(runs, engine)
+                    if r.get(key) and e.get(floor)])
+
+
 def floors(results: dict[str, list[dict[str, Any]]]) -> list[str]:
-    """With the engine peer in the run, each shardserve's latencies against the engine run's
-    floors in the same round (medians over rounds): TPOT p50 / one pass over the weights, and
-    TTFT p50 / (a bare forward over a prompt of the load's length + 5 ms), the issue's
-    single-stream and TTFT yardsticks at one stream."""
+    """With the engine peer in the run, each shardserve's figures against the engine run's in
+    the same round (medians over rounds): TPOT p50 / one pass over the weights, and TTFT p50 /
+    (a bare forward over a prompt of the load's length + 5 ms), the issue's single-stream and
+    TTFT yardsticks at one stream; and the served core's decode-only step and prefill seconds per
+    prompt token against the engine alone's (the cost of sharing the cores with the serving
+    path)."""
     engine = results.get("engine") or []
     lines = []
     for name in (n for n in results if n.startswith("shardserve")):
-        tpot = [r.get("median_tpot_ms") and e.get("single_stream_pass_ms")
-                and r["median_tpot_ms"] / e["single_stream_pass_ms"]
-                for r, e in zip(results[name], engine)]
-        ttft = [r.get("median_ttft_ms") and e.get("prompt_forward_ms")
-                and r["median_ttft_ms"] / (e["prompt_forward_ms"] + 5.0)
-                for r, e in zip(results[name], engine)]
-        # the same steps served and alone: the cost of sharing the cores with the serving path
-        step = [r.get("decode_only_step_ms") and e.get("decode_only_step_ms")
-                and r["decode_only_step_ms"] / e["decode_only_step_ms"]
-                for r, e in zip(results[name], engine)]
-        tpot_ratio, ttft_ratio = _median([x for x in tpot if x]), _median([x for x in ttft if x])
-        prefill = [r.get("prefill_ms_per_prompt_token") and e.get("prefill_ms_per_prompt_token")
-                   and r["prefill_ms_per_prompt_token"] / e["prefill_ms_per_prompt_token"]
-                   for r, e in zip(results[name], engine)]
-        step_ratio, prefill_ratio = _median([x for x in step if x]), _median([x for x in prefill if x])
+        runs = results[name]
+        tpot_ratio = _paired(runs, engine, "median_tpot_ms", "single_stream_pass_ms")
+        ttft_ratio = _paired(runs, engine, "median_ttft_ms", "prompt_forward_ms", plus=5.0)
+        step_ratio = _paired(runs, engine, "decode_only_step_ms", "decode_only_step_ms")
+        prefill_ratio = _paired(runs, engine, "prefill_ms_per_prompt_token",
+                                "prefill_ms_per_prompt_token")
         if tpot_ratio:
             lines.append(f"{name}: TPOT p50 / one pass over the weights {tpot_ratio:.2f}x; "
                          f"TTFT p50 / (bare forward over the prompt + 5 ms) {ttft_ratio:.2f}x")
