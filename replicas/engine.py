@@ -27,7 +27,8 @@ from replicas import prediction
 from replicas.executor import Executor
 from structured import bitmask as bitmask_lib
 from replicas.kv_cache import BlockManager
-from replicas.model_runner import RowInput, StepInput, StepOutput
+from replicas.block_hash import media_key_tokens
+from replicas.model_runner import EncoderSlice, RowInput, StepInput, StepOutput
 from replicas.request import (EngineError, GenerateRequest, Sequence, SequenceStatus, TokenBatch,
                               TokenLogprob)
 from replicas.sampler import SamplerOutput, compute_logprobs, sample
@@ -76,6 +77,18 @@ class EngineStats:
     # requests turned away: the waiting queue was full / not scheduled by their deadline
     rejected_queue_full: int = 0
     rejected_queue_wait: int = 0
+
+
+def _encoder_slices(seq: Sequence, start: int, end: int) -> tuple[EncoderSlice, ...]:
+    """The parts of the sequence's media items whose placeholders lie in tokens [start, end)."""
+    if not seq.mm_items or start >= seq.num_prompt_tokens:
+        return ()
+    out = []
+    for item in seq.mm_items:
+        lo, hi = max(start, item.offset), min(end, item.offset + item.length)
+        if lo < hi:
+            out.append(EncoderSlice(item, lo - item.offset, hi - lo, lo - start))
+    return tuple(out)
 
 
 def _internal_error(what: str, exc: Exception) -> EngineError:
@@ -143,6 +156,10 @@ class Engine:
         n_prompt = len(request.prompt_token_ids)
         if n_prompt == 0:
             raise EngineError("the prompt is empty", param="messages")
+        for item in request.mm_items:
+            if item.offset < 0 or item.length <= 0 or item.offset + item.length > n_prompt:
+                raise EngineError(f"a {item.modality}'s placeholder tokens lie outside the "
+                                  "prompt", param="messages")
         if n_prompt + request.params.max_tokens > self.config.max_model_len:
             raise EngineError(
                 f"This model's maximum context length is {self.config.max_model_len} tokens. "
@@ -157,6 +174,8 @@ class Engine:
         self._ensure_loop()
         now = time.monotonic()
         seqs = []
+        key_prompt = (media_key_tokens(request.prompt_token_ids, request.mm_items)
+                      if request.mm_items else None)
         for i in range(request.n):
             seq = Sequence(next(self._seq_ids), request.request_id, i,
                            list(request.prompt_token_ids), n_prompt, request.params,
@@ -169,6 +188,7 @@ class Engine:
                 seq.prompt_logprobs = [None]
             seq.logits_processors = self._build_processors(request)
             seq.prediction = request.prediction
+            seq.mm_items, seq.key_prompt = request.mm_items, key_prompt
             if compiled is not None:
                 seq.guide = compiled.new_guide()
                 seq.guide_active = request.constraint_after is None
@@ -371,7 +391,8 @@ class Engine:
             rows.append(RowInput(tuple(seq.token_ids[start:start + s.num_new_tokens]), start,
                                  tuple(seq.block_table), s.samples,
                                  (seq.prompt_logprobs is not None
-                                  and start < seq.num_prompt_tokens) or bool(seq.proposed)))
+                                  and start < seq.num_prompt_tokens) or bool(seq.proposed),
+                                 _encoder_slices(seq, start, start + s.num_new_tokens)))
         return StepInput(tuple(rows))
 
     def _account(self, scheduled: list[ScheduledSeq], seconds: float) -> None:

@@ -58,7 +58,7 @@ class BlockManager:
         prev: BlockKey | None = None
         # keep the last prompt token uncached so the step that follows has something to compute
         for i in range((seq.num_prompt_tokens - 1) // bs):
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            tokens = seq.key_tokens(i * bs, (i + 1) * bs)
             key = block_key(prev, tokens, seq.cache_salt)
             block_id = self.cached.get(key)
             if block_id is None or self.blocks[block_id].token_ids != tokens:
@@ -96,7 +96,7 @@ class BlockManager:
             if block.key is not None:
                 continue
             prev = self.blocks[seq.block_table[i - 1]].key if i > 0 else None
-            block.token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            block.token_ids = seq.key_tokens(i * bs, (i + 1) * bs)
             block.key = block_key(prev, block.token_ids, seq.cache_salt)
             self.cached.setdefault(block.key, block.block_id)
 

@@ -1,7 +1,8 @@
 """The messages that cross between the ingress and a replica, and the engine's per-sequence state.
 
-Only token ids cross the Ray hop: `GenerateRequest` in, `TokenBatch`es out. `Sequence` is the engine's
-mutable state for one choice of one request."""
+Token ids cross the Ray hop (`GenerateRequest` in, `TokenBatch`es out), plus, for a multimodal
+model, each media item's encoder inputs (`MultiModalItem`: pixel arrays, not images).
+`Sequence` is the engine's mutable state for one choice of one request."""
 
 from __future__ import annotations
 
@@ -59,6 +60,22 @@ class SamplingParams:
                 or self.repetition_penalty != 1.0)
 
 
+@dataclass(frozen=True, eq=False)
+class MultiModalItem:
+    """One image (or other media item) of a prompt, as the encoder reads it.
+
+    The prompt holds `length` placeholder tokens for it from `offset` on; the encoder turns `data`
+    into `length` embedding rows that replace those tokens' embeddings. `key` (32 bytes, BLAKE2b
+    of the decoded item and the processor settings) is its identity for the encoder cache and
+    for the prefix cache's block keys: the same image shares both, different ones never do."""
+
+    modality: str  # "image"
+    offset: int
+    length: int
+    key: bytes
+    data: dict[str, Any]  # encoder inputs as numpy arrays, e.g. {"pixel_values": [3, H, W]}
+
+
 @dataclass(frozen=True)
 class GenerateRequest:
     request_id: str
@@ -77,6 +94,8 @@ class GenerateRequest:
     client: str | None = None
     # the client's predicted output (Predicted Outputs), a draft the engine verifies
     prediction: tuple[int, ...] = ()
+    # media items whose placeholder tokens the prompt holds, in prompt order
+    mm_items: tuple[MultiModalItem, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -164,6 +183,9 @@ class Sequence:
     proposed: list[int] = field(default_factory=list)
     accepted_prediction: int = 0  # since the last batch
     rejected_prediction: int = 0
+    # media items of the prompt, and the prompt as block keys see it (block_hash.media_key_tokens)
+    mm_items: tuple[MultiModalItem, ...] = ()
+    key_prompt: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -179,3 +201,10 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def key_tokens(self, start: int, end: int) -> tuple[int, ...]:
+        """Tokens [start, end) as the prefix cache's block keys see them."""
+        if self.key_prompt is None or start >= self.num_prompt_tokens:
+            return tuple(self.token_ids[start:end])
+        return (*self.key_prompt[start:end],
+                *self.token_ids[max(start, self.num_prompt_tokens):end])

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from replicas.block_hash import BlockKey, prefix_keys
+from replicas.block_hash import BlockKey, media_key_tokens, prefix_keys
 from replicas.request import GenerateRequest
 
 BLOCK = 16
@@ -31,7 +31,10 @@ MAX_PENDING = 10_000  # requests being routed; a backstop, each also leaves with
 
 
 def block_keys(request: GenerateRequest) -> list[BlockKey]:
-    return prefix_keys(request.prompt_token_ids, BLOCK, request.cache_salt, MAX_BLOCKS)
+    tokens = request.prompt_token_ids
+    if request.mm_items:
+        tokens = media_key_tokens(tokens, request.mm_items)
+    return prefix_keys(tokens, BLOCK, request.cache_salt, MAX_BLOCKS)
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from serve_app.errors import APIError
+from serve_app.multimodal import MEDIA_PARTS, MediaRef, media_ref
 from serve_app.protocol import ChatCompletionRequest, Message, MemoryStrategy
 
-MULTIMODAL_PARTS = {"image_url", "input_audio", "audio_url", "video_url", "file", "image_embeds",
-                    "audio_embeds", "input_image", "image", "audio", "video"}
 TEXT_PARTS = {"text", "input_text", "output_text", "refusal", "thinking"}
 
 
@@ -39,13 +38,16 @@ def apply_memory_strategy(messages: list[Message], strategy: MemoryStrategy | No
     return [m for i, m in enumerate(messages) if m.role in ("system", "developer") or i in keep]
 
 
-def text_of(message: Message, index: int) -> str | None:
+def text_of(message: Message, index: int, skip_media: bool = False) -> str | None:
+    """The message's text; a media part is a 400 (a text-only model) unless `skip_media`."""
     content = message.content
     if content is None or isinstance(content, str):
         return content
     texts = []
     for j, part in enumerate(content):
-        if part.type in MULTIMODAL_PARTS:
+        if part.type in MEDIA_PARTS and skip_media:
+            continue
+        if part.type in MEDIA_PARTS:
             raise APIError(f"content part type {part.type!r} is not supported: this model is "
                            "text-only", param=f"messages[{index}].content[{j}].type")
         if part.type not in TEXT_PARTS:
@@ -56,13 +58,41 @@ def text_of(message: Message, index: int) -> str | None:
     return "".join(texts)
 
 
-def to_template_messages(messages: list[Message]) -> list[dict[str, Any]]:
+def media_content(message: Message, index: int, modalities: frozenset[str],
+                  refs: list[MediaRef]) -> str | list[dict[str, Any]]:
+    """A message's content for a multimodal model's template: text, or parts where media parts
+    become {"type": "image"} (what HF templates render as the placeholder), each one's source
+    appended to `refs` in prompt order."""
+    content = message.content
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        param = f"messages[{index}].content[{j}]"
+        if part.type in MEDIA_PARTS:
+            ref = media_ref(part, param, modalities)
+            refs.append(ref)
+            parts.append({"type": ref.modality})
+        elif part.type in TEXT_PARTS:
+            text = part.text if part.text is not None else (part.refusal or part.thinking or "")
+            parts.append({"type": "text", "text": text})
+        else:
+            raise APIError(f"unknown content part type {part.type!r}", param=f"{param}.type")
+    return parts
+
+
+def to_template_messages(messages: list[Message], modalities: frozenset[str] = frozenset(),
+                         refs: list[MediaRef] | None = None) -> list[dict[str, Any]]:
+    """`modalities`: what the model takes besides text; its media parts' sources are appended
+    to `refs`. A text-only model's messages render as plain text."""
     out = []
     for i, m in enumerate(messages):
         role = m.role
         if m.author is not None and "role" in m.author:
             role = str(m.author["role"])
-        msg: dict[str, Any] = {"role": role, "content": text_of(m, i) or ""}
+        content = (media_content(m, i, modalities, refs) if modalities and refs is not None
+                   else text_of(m, i) or "")
+        msg: dict[str, Any] = {"role": role, "content": content}
         if m.name:
             msg["name"] = m.name
         reasoning = m.reasoning_content or m.reasoning
@@ -135,10 +165,13 @@ def render(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[dict] 
     return RenderedPrompt(text, list(ids))
 
 
-def render_args(request: ChatCompletionRequest) -> dict[str, Any]:
-    """A chat request's rendering inputs, as `render` (or the template sandbox) takes them."""
+def render_args(request: ChatCompletionRequest, modalities: frozenset[str] = frozenset(),
+                refs: list[MediaRef] | None = None) -> dict[str, Any]:
+    """A chat request's rendering inputs, as `render` (or the template sandbox) takes them;
+    with a multimodal model's `modalities`, the media parts' sources go to `refs`."""
     messages = to_template_messages(apply_memory_strategy(request.messages,
-                                                          request.memory_strategy))
+                                                          request.memory_strategy),
+                                    modalities, refs)
     if not messages:
         raise APIError("no messages left after the memory strategy", param="memory_strategy")
     tools = None

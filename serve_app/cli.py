@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -85,6 +86,17 @@ def _serve_parser(sub: Any) -> None:
                    help="on SIGTERM/Ctrl-C, how long in-flight requests get to finish while "
                         "new ones are answered 503 (default 10)")
     p.add_argument("--logits-processors", nargs="*", help="allowlisted processor names")
+    p.add_argument("--limit-mm-per-prompt", type=json.loads,
+                   help='media items a prompt may carry, by modality (JSON, default '
+                        '{"image": 8})')
+    p.add_argument("--allowed-media-domains", nargs="*",
+                   help="hosts (and their subdomains) media URLs may name (default: any)")
+    p.add_argument("--allow-private-media-urls", action="store_true",
+                   help="fetch media URLs on private, loopback and link-local addresses")
+    p.add_argument("--allowed-local-media-path",
+                   help="serve file:// media URLs beneath this folder (refused by default)")
+    p.add_argument("--media-fetch-timeout-s", type=float,
+                   help="the limit of one media URL fetch (default 10)")
     p.add_argument("--ray-address", help="connect to a running cluster instead of starting Ray")
     p.add_argument("--num-cpus", type=float, help="logical CPUs for a local Ray instance")
     p.add_argument("--http-front", choices=["haproxy", "serve-proxy"],
@@ -133,12 +145,18 @@ def config_from_args(args: argparse.Namespace):
         data["models"] = [{**models[0], **model}]
     if args.trust_request_chat_template:
         data["trust_request_chat_template"] = True
+    if args.allow_private_media_urls:
+        data["allow_private_media_urls"] = True
     for key, value in (("host", args.host), ("port", args.port), ("api_keys", args.api_key),
                        ("api_key_file", args.api_key_file),
                        ("max_queue_wait_s", args.max_queue_wait_s),
                        ("max_requests_per_key", args.max_requests_per_key),
                        ("shutdown_grace_s", args.shutdown_grace_s),
-                       ("logits_processors", args.logits_processors)):
+                       ("logits_processors", args.logits_processors),
+                       ("limit_mm_per_prompt", args.limit_mm_per_prompt),
+                       ("allowed_media_domains", args.allowed_media_domains),
+                       ("allowed_local_media_path", args.allowed_local_media_path),
+                       ("media_fetch_timeout_s", args.media_fetch_timeout_s)):
         if value is not None:
             data[key] = value
     return AppConfig.model_validate(data)

@@ -150,6 +150,15 @@ class AppConfig(BaseModel):
     max_rendered_prompt_chars: int = Field(4 * 2**20, ge=1024)
     # SIGTERM/Ctrl-C: new requests 503 while in-flight ones get this long to finish
     shutdown_grace_s: float = Field(10.0, ge=0)
+    # media in chat messages (multimodal models; serve_app/media.py): items per prompt by
+    # modality (vLLM's --limit-mm-per-prompt), where URLs may point, how much is fetched
+    limit_mm_per_prompt: dict[str, int] = Field(default_factory=lambda: {"image": 8})
+    allowed_media_domains: list[str] | None = None  # None: any public host
+    allow_private_media_urls: bool = False
+    allowed_local_media_path: str | None = None  # file:// URLs only beneath it
+    media_fetch_timeout_s: float = Field(10.0, gt=0)
+    max_media_bytes: int = Field(20 * 2**20, ge=1024)
+    max_image_pixels: int = Field(4096 * 4096, ge=1)
 
     @model_validator(mode="after")
     def _unique_names(self) -> "AppConfig":

@@ -17,6 +17,7 @@ import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
@@ -25,13 +26,15 @@ from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-from replicas.request import GenerateRequest, TokenBatch
+from replicas.request import GenerateRequest, MultiModalItem, TokenBatch
 from replicas.status_board import BoardReader, app_name_here
-from serve_app import admission, chat, openapi, reasoning_formats, sampling, tool_choice
+from serve_app import (admission, chat, multimodal, openapi, reasoning_formats, sampling,
+                       tool_choice)
 from serve_app.admission import Admission, Ticket
 from serve_app.auth import APIKeys, client_id, read_key_file, require_api_key
 from serve_app.config import AppConfig
 from serve_app.errors import APIError, install_handlers, validation_error
+from serve_app.media import MediaFetcher, MediaPolicy
 from serve_app.metrics import Metrics
 from serve_app.models import ModelRegistry, ServedModel, load_model
 from serve_app.preprocess import Preprocessor
@@ -226,6 +229,12 @@ class Ingress:
         self.admission = Admission(config)
         app.state.check_room = lambda: self.admission.check_room(self.board.draining)
         self.pre = Preprocessor(config)
+        self.media = MediaFetcher(MediaPolicy(
+            tuple(d.lower().rstrip(".") for d in config.allowed_media_domains)
+            if config.allowed_media_domains is not None else None,
+            config.allow_private_media_urls,
+            Path(config.allowed_local_media_path) if config.allowed_local_media_path else None,
+            config.media_fetch_timeout_s, config.max_media_bytes, config.max_image_pixels))
         # the replicas' engine state, kept fresh off the request path (/metrics, admission);
         # the reads are this ingress's heartbeat for /health (serve_app/health.py)
         self.board = BoardReader(app_name_here(), ingress=_replica_id(),
@@ -392,13 +401,17 @@ class Ingress:
             raise APIError("give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+            refs: list[multimodal.MediaRef] = []
             rendered = await self.pre.render(
-                served.tokenizer, chat.to_template_messages(body.messages), tools=tools,
+                served.tokenizer, chat.to_template_messages(body.messages, served.modalities,
+                                                            refs), tools=tools,
                 chat_template=body.chat_template, add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
                 add_special_tokens=bool(body.add_special_tokens),
                 template_kwargs=body.chat_template_kwargs, client=client_id(request))
-            ids = rendered.token_ids
+            # media parts count as the placeholder tokens the model sees for them
+            ids, _ = await self._media_items(served, rendered.token_ids, refs,
+                                             body.mm_processor_kwargs)
         else:
             add = True if body.add_special_tokens is None else body.add_special_tokens
             ids = await self.pre.run(served.tokenizer.encode, body.prompt,
@@ -453,12 +466,32 @@ class Ingress:
         ticket = self._admit(served, request)
         return await self._admitted(ticket, self._chat(request, body, served, ticket))
 
+    async def _media_items(self, served: ServedModel, ids: list[int],
+                           refs: list[multimodal.MediaRef], kwargs: dict[str, Any] | None
+                           ) -> tuple[list[int], tuple[MultiModalItem, ...]]:
+        """A rendered prompt with one placeholder per media item -> the prompt with each
+        expanded, and the items' encoder inputs (fetched, decoded and processed here)."""
+        if served.media is None:
+            if kwargs:
+                raise APIError("mm_processor_kwargs is not supported: the served model takes "
+                               "text only", param="mm_processor_kwargs")
+            return ids, ()
+        multimodal.check_limits(refs, self.config.limit_mm_per_prompt)
+        images = await multimodal.load_images(self.media, refs, self.config.max_image_pixels,
+                                              self.pre.run)
+        return await self.pre.run(served.media.process, ids, images, refs, kwargs)
+
     async def _chat(self, request: Request, body: ChatCompletionRequest, served: ServedModel,
                     ticket: Ticket) -> Response:
         limits = await self._limits(served)
-        rendered = await self.pre.render(served.tokenizer, **chat.render_args(body),
-                                         client=client_id(request))
-        ids = chat.truncate(rendered.token_ids, body.truncate_prompt_tokens, limits.max_model_len)
+        refs: list[multimodal.MediaRef] = []
+        rendered = await self.pre.render(
+            served.tokenizer, **chat.render_args(body, served.modalities, refs),
+            client=client_id(request))
+        full, items = await self._media_items(served, rendered.token_ids, refs,
+                                              body.mm_processor_kwargs)
+        ids = chat.truncate(full, body.truncate_prompt_tokens, limits.max_model_len)
+        items = multimodal.truncate_items(full, ids, items)
         # bad_words are tokenized here
         params, options = await self.pre.run(sampling.build, body, prompt_len=len(ids),
                                              limits=limits, tokenizer=served.tokenizer, chat=True)
@@ -483,7 +516,7 @@ class Ingress:
             constraint_after = served.tokenizer.convert_tokens_to_ids("</think>")
         gen = GenerateRequest(self._engine_key(rid), tuple(ids), params, constraint, n_gen, body.priority,
                               body.cache_salt, constraint_after, ticket.deadline,
-                              client_id(request), predicted)
+                              client_id(request), predicted, items)
         started = time.monotonic()
         generation = await self._start(served, gen)
         tools = served.tool_format if body.tools and body.tool_choice != "none" else None
@@ -506,7 +539,8 @@ class Ingress:
         # or the last message's own when no generation prompt opens a new turn
         if options.echo and (not body.add_generation_prompt
                              or body.messages[-1].role == "assistant"):
-            echo = chat.text_of(body.messages[-1], len(body.messages) - 1) or ""
+            echo = chat.text_of(body.messages[-1], len(body.messages) - 1,
+                                skip_media=True) or ""
         headers = self._id_header(body, request)
         timeout = options.timeout_s or self.config.request_timeout_s
         if options.stream:

@@ -17,6 +17,7 @@ from serve_app import generation_defaults, reasoning_formats, tool_formats
 from serve_app.config import ModelConfig
 from serve_app.errors import APIError
 from serve_app.generation_defaults import SamplingDefaults
+from serve_app.multimodal import MediaProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,12 @@ class ServedModel:
     defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     created: int = field(default_factory=lambda: int(time.time()))
     info: dict[str, Any] | None = None  # from the replica: max_model_len, vocab_size
+    media: MediaProcessor | None = None  # a multimodal model's processor
+
+    @property
+    def modalities(self) -> frozenset[str]:
+        """What the model takes besides text."""
+        return self.media.modalities if self.media is not None else frozenset()
 
     @property
     def name(self) -> str:
@@ -71,7 +78,12 @@ def load_model(config: ModelConfig, handle: Any) -> ServedModel:
     defaults = generation_defaults.load(config.generation_config, path)
     logger.info("%s: sampling defaults %s (--generation-config %s)", config.name,
                 defaults.items() or "OpenAI's", config.generation_config)
-    return ServedModel(config, handle, tokenizer, tokenizer.backend_tokenizer, defaults)
+    media = MediaProcessor.load(path)
+    if media is not None:
+        logger.info("%s: takes %s (placeholder %s)", config.name, ", ".join(media.modalities),
+                    media.image_token)
+    return ServedModel(config, handle, tokenizer, tokenizer.backend_tokenizer, defaults,
+                       media=media)
 
 
 class ModelRegistry:

@@ -125,6 +125,17 @@ class ContentPart(_Open):
     refusal: str | None = None
     thinking: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _simple_media_form(cls, data: Any) -> Any:
+        """The untyped {"image_url": "..."} form (also audio_url, video_url) names its type by
+        its one media field."""
+        if isinstance(data, dict) and "type" not in data:
+            for field in ("image_url", "audio_url", "video_url"):
+                if field in data:
+                    return {**data, "type": field}
+        return data
+
 
 class FunctionCall(_Open):
     name: str
@@ -371,6 +382,7 @@ class TokenizeRequest(_Request):
     tools: Tools = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Request):

@@ -196,7 +196,6 @@ UNSUPPORTED = {
     "kv_transfer_params": "shardserve has no KV connector (disaggregated prefill)",
     "inference_extra_params": "shardserve defines no extra inference parameters",
     "inference_extra_headers": "shardserve forwards no headers to a model backend",
-    "mm_processor_kwargs": "the served model takes text only",
 }
 
 

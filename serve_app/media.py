@@ -1,0 +1,219 @@
+"""Media URLs -> bytes -> images, under the server's fetch policy.
+
+Owns where a media item may come from (vLLM's flags and defaults):
+- `data:` URLs (base64), always;
+- `http(s)://` URLs, fetched by the ingress with a timeout and a size limit, following at most
+  `MAX_REDIRECTS` redirects, each hop checked again. Addresses that are private, loopback,
+  link-local, multicast or reserved are refused unless `--allow-private-media-urls`; the check
+  runs inside the connection's own name resolution (a resolver the connector uses), so a name
+  that resolves to a public address for a check and a private one for the connection
+  (DNS rebinding) cannot pass. `--allowed-media-domains` limits the hosts (and their
+  subdomains);
+- `file://` URLs, only under `--allowed-local-media-path`.
+Decoding checks the image's size from its header before decoding a pixel, so a small file that
+expands to a huge image (a decompression bomb) is refused cheaply."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import ipaddress
+import socket
+import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp.abc import AbstractResolver, ResolveResult
+from aiohttp.resolver import DefaultResolver
+from PIL import Image, UnidentifiedImageError
+
+from serve_app.errors import APIError
+
+MAX_REDIRECTS = 3
+
+
+@dataclass(frozen=True)
+class MediaPolicy:
+    allowed_domains: tuple[str, ...] | None = None  # None: any host
+    allow_private: bool = False
+    allowed_local_path: Path | None = None  # None: no file:// URLs
+    timeout_s: float = 10.0
+    max_bytes: int = 20 * 2**20
+    max_pixels: int = 4096 * 4096
+
+
+def _public(address: str) -> bool:
+    ip = ipaddress.ip_address(address.split("%", 1)[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_global and not ip.is_multicast
+
+
+class _CheckedResolver(AbstractResolver):
+    """The connector's resolver: every address a connection may use is checked here."""
+
+    def __init__(self) -> None:
+        self._inner = DefaultResolver()
+
+    async def resolve(self, host: str, port: int = 0,
+                      family: socket.AddressFamily = socket.AF_INET) -> list[ResolveResult]:
+        results = await self._inner.resolve(host, port, family)
+        refused = [r["host"] for r in results if not _public(r["host"])]
+        if refused:
+            raise _PrivateAddress(f"{host} resolves to a non-public address ({refused[0]})")
+        return results
+
+    async def close(self) -> None:
+        await self._inner.close()
+
+
+class _PrivateAddress(OSError):
+    pass
+
+
+class MediaFetcher:
+    """One HTTP session for the ingress's media fetches."""
+
+    def __init__(self, policy: MediaPolicy) -> None:
+        self.policy = policy
+        self._session: aiohttp.ClientSession | None = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(
+                resolver=None if self.policy.allow_private else _CheckedResolver(), limit=64)
+            self._session = aiohttp.ClientSession(
+                connector=connector, trust_env=False,
+                timeout=aiohttp.ClientTimeout(total=self.policy.timeout_s))
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def load(self, url: str, param: str) -> bytes:
+        """The bytes `url` names, or a 400 naming `param`."""
+        scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+        if scheme == "data":
+            return self._data_url(url, param)
+        if scheme in ("http", "https"):
+            return await self._fetch(url, param)
+        if scheme == "file":
+            return self._local(url, param)
+        raise APIError("a media URL must be a data:, http(s):// or file:// URL", param=param)
+
+    def _data_url(self, url: str, param: str) -> bytes:
+        header, sep, payload = url[5:].partition(",")
+        if not sep or not header.endswith(";base64"):
+            raise APIError("a data: URL must be base64 (data:<type>;base64,<data>)", param=param)
+        if len(payload) * 3 // 4 > self.policy.max_bytes:
+            raise APIError(f"the media item is larger than {self.policy.max_bytes} bytes",
+                           param=param)
+        try:
+            return base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise APIError("the data: URL is not valid base64", param=param) from None
+
+    def _check_host(self, url: str, param: str) -> None:
+        host = (urllib.parse.urlsplit(url).hostname or "").lower().rstrip(".")
+        if not host:
+            raise APIError("the media URL has no host", param=param)
+        if not self.policy.allow_private:
+            # an address literal never reaches the resolver, so it is checked here
+            try:
+                literal = _public(host.strip("[]"))
+            except ValueError:
+                literal = True  # a name: the connector's resolver checks its addresses
+            if not literal:
+                raise _PrivateAddress(f"{host} is not a public address")
+        domains = self.policy.allowed_domains
+        if domains is not None and not any(host == d or host.endswith("." + d) for d in domains):
+            raise APIError(f"media from {host} is refused: not among --allowed-media-domains",
+                           param=param)
+
+    async def _fetch(self, url: str, param: str) -> bytes:
+        limit = self.policy.max_bytes
+        try:
+            for _ in range(MAX_REDIRECTS + 1):
+                self._check_host(url, param)
+                async with self._client().get(url, allow_redirects=False) as response:
+                    if response.status in (301, 302, 303, 307, 308):
+                        location = response.headers.get("Location")
+                        if not location:
+                            break
+                        url = urllib.parse.urljoin(url, location)
+                        if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
+                            raise APIError("a media URL redirected to a non-HTTP URL",
+                                           param=param)
+                        continue
+                    if response.status != 200:
+                        raise APIError(f"fetching the media URL gave HTTP {response.status}",
+                                       param=param)
+                    if (response.content_length or 0) > limit:
+                        raise APIError(f"the media item is larger than {limit} bytes",
+                                       param=param)
+                    data = bytearray()
+                    async for chunk in response.content.iter_chunked(1 << 16):
+                        data += chunk
+                        if len(data) > limit:
+                            raise APIError(f"the media item is larger than {limit} bytes",
+                                           param=param)
+                    return bytes(data)
+            raise APIError(f"the media URL redirected more than {MAX_REDIRECTS} times",
+                           param=param)
+        except APIError:
+            raise
+        except TimeoutError:
+            raise APIError(f"fetching the media URL took longer than {self.policy.timeout_s} s",
+                           param=param) from None
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
+            cause = exc
+            while cause is not None and not isinstance(cause, _PrivateAddress):
+                cause = cause.__cause__ or cause.__context__
+            if cause is not None:
+                raise APIError(f"media URLs on private, loopback or link-local addresses are "
+                               f"refused ({cause}); the server allows them with "
+                               "--allow-private-media-urls", param=param) from None
+            raise APIError(f"cannot fetch the media URL: {type(exc).__name__}: {exc}",
+                           param=param) from None
+
+    def _local(self, url: str, param: str) -> bytes:
+        root = self.policy.allowed_local_path
+        if root is None:
+            raise APIError("file:// media URLs are refused: the server allows them only under "
+                           "--allowed-local-media-path", param=param)
+        parsed = urllib.parse.urlsplit(url)
+        if parsed.netloc not in ("", "localhost"):
+            raise APIError("a file:// URL must name a local path", param=param)
+        path = Path(urllib.parse.unquote(parsed.path)).resolve()
+        if not path.is_relative_to(root.resolve()):
+            raise APIError("the file is outside --allowed-local-media-path", param=param)
+        try:
+            if path.stat().st_size > self.policy.max_bytes:
+                raise APIError(f"the media item is larger than {self.policy.max_bytes} bytes",
+                               param=param)
+            return path.read_bytes()
+        except OSError:
+            raise APIError("cannot read the file", param=param) from None
+
+
+def decode_image(data: bytes, param: str, max_pixels: int, detail: str | None = None) -> Any:
+    """Bytes -> an RGB PIL image (blocking: run it on a preprocessing thread). `detail` "low"
+    scales the image to fit 512 x 512 first, as OpenAI's low-detail mode."""
+    try:
+        image = Image.open(io.BytesIO(data))
+        width, height = image.size
+        if width * height > max_pixels:
+            raise APIError(f"the image has {width} x {height} pixels, more than the server's "
+                           f"limit of {max_pixels}", param=param)
+        image = image.convert("RGB")
+    except APIError:
+        raise
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise APIError(f"cannot decode the image: {type(exc).__name__}", param=param) from None
+    if detail == "low":
+        image.thumbnail((512, 512))
+    return image
