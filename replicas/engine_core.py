@@ -38,6 +38,7 @@ from replicas.gguf_checkpoint import LINK
 from replicas.kernels import isa
 from replicas.logits_processors import load_factory
 from replicas.model_files import resolve_model_path
+from replicas.models import text_config
 from replicas.request import EngineError, GenerateRequest
 from replicas.worker import WorkerConfig
 from structured.compiler import Compiler
@@ -105,7 +106,9 @@ class CoreSpec:
 
 def eos_token_ids(path: Path, hf_config: Any) -> frozenset[int]:
     ids: set[int] = set()
-    for source in (hf_config.to_dict(), _read_json(path / "generation_config.json")):
+    # a multimodal config keeps the decoder's eos in its text config
+    for source in (hf_config.to_dict(), text_config(hf_config).to_dict(),
+                   _read_json(path / "generation_config.json")):
         eos = source.get("eos_token_id")
         if eos is not None:
             ids.update(eos if isinstance(eos, list) else [eos])
@@ -163,10 +166,11 @@ class EngineCore:
                               quantized=(path / LINK).exists() or config.quantization is not None)
         logger.info("%s computes in %s (--dtype %s; CPU kernels: %s)", config.model, dtype,
                     config.dtype, "-" if on_gpu else isa.selected())
-        max_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
-        head_dim = (getattr(hf_config, "head_dim", None)
-                    or hf_config.hidden_size // hf_config.num_attention_heads)
-        bytes_per_token = (2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads
+        decoder = text_config(hf_config)  # the KV cache's and the vocabulary's dimensions
+        max_len = config.max_model_len or int(getattr(decoder, "max_position_embeddings", 2048))
+        head_dim = (getattr(decoder, "head_dim", None)
+                    or decoder.hidden_size // decoder.num_attention_heads)
+        bytes_per_token = (2 * decoder.num_hidden_layers * decoder.num_key_value_heads
                            * head_dim * torch.finfo(getattr(torch, dtype)).bits // 8)
         num_blocks = int(config.kv_cache_gib * 2**30 // (bytes_per_token * config.block_size))
         # never less than one full-length sequence, never more than every slot full-length
@@ -191,11 +195,11 @@ class EngineCore:
         # built once, compiled against lazily: cores that never see a constrained request never
         # start compile workers
         self.vocabulary = (Vocabulary.from_tokenizer(tokenizer_file, sorted(eos),
-                                                     int(hf_config.vocab_size))
+                                                     int(decoder.vocab_size))
                            if tokenizer_file.exists() and eos else None)
         self.compiler: Compiler | None = None
         self.info = {"model_path": str(path), "max_model_len": max_len,
-                     "vocab_size": int(hf_config.vocab_size), "dtype": dtype,
+                     "vocab_size": int(decoder.vocab_size), "dtype": dtype,
                      "isa": None if on_gpu else isa.selected(), "on_gpu": on_gpu,
                      "shard_num_parameters": executor.shard_sizes(),
                      "weights": executor.weight_formats(), "pid": os.getpid()}

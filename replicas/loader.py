@@ -25,6 +25,9 @@ from replicas.models.parallel import LINEARS, VocabParallelEmbedding
 def load_weights(model: nn.Module, folder: Path, dtype: torch.dtype,
                  keep_quantized: bool = False) -> None:
     if (folder / LINK).exists():
+        if getattr(model, "modalities", None):
+            raise GGUFError(f"{folder}: GGUF checkpoints of multimodal models are not supported; "
+                            "serve the model's safetensors folder")
         _load_gguf(model, folder / LINK, dtype, keep_quantized)
         return
     files = sorted(folder.glob("*.safetensors"))
@@ -48,10 +51,12 @@ def _assign(model: nn.Module, params: dict[str, nn.Parameter], loaded: set[str],
     param = params[target]
     getattr(param, "weight_loader", _copy)(param, tensor, shard)
     loaded.add(target)
-    if target == "embed_tokens.weight" and model.tie_word_embeddings:
-        head = params["lm_head.weight"]
+    # "embed_tokens.weight", or a decoder's inside a multimodal model
+    if target.endswith("embed_tokens.weight") and model.tie_word_embeddings:
+        head_name = target.removesuffix("embed_tokens.weight") + "lm_head.weight"
+        head = params[head_name]
         head.weight_loader(head, tensor, 0)
-        loaded.add("lm_head.weight")
+        loaded.add(head_name)
 
 
 def _check_complete(params: dict[str, nn.Parameter], loaded: set[str], source: Path) -> None:

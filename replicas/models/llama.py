@@ -2,7 +2,8 @@
 
 Qwen2 adds biases to q/k/v; Qwen3 adds per-head RMSNorm on q and k. The forward takes the flat
 tokens of one step (all rows concatenated) and returns hidden states; `compute_logits` runs the
-head only on the positions the runner asks for."""
+head only on the positions the runner asks for. It is also the decoder of `llava.py`, whose image
+rows reach it as `embeds`."""
 
 from __future__ import annotations
 
@@ -133,6 +134,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    modalities: frozenset[str] = frozenset()  # text only: no `encode`
     # checkpoint name fragment -> (our fused parameter, shard index)
     packed_modules = {
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -155,9 +157,14 @@ class LlamaForCausalLM(nn.Module):
         self._native_shape: kernels.LlamaShape | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """kv_cache: [layers, 2, kv_heads, slots, head_dim]."""
+                meta: AttentionMetadata,
+                embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """kv_cache: [layers, 2, kv_heads, slots, head_dim]. embeds: (index [n], rows [n, hidden]):
+        the embeddings of the flat tokens at `index` are replaced by `rows` (a multimodal model's
+        encoder output at its placeholder tokens)."""
         x = self.embed_tokens(input_ids)
+        if embeds is not None:
+            x.index_copy_(0, embeds[0], embeds[1].to(x.dtype))
         rope = self.rope.cos_sin(positions, x.dtype)
         native = self._native_layers(kv_cache, meta)
         if native is not None:

@@ -11,8 +11,11 @@ from tokenizers import Tokenizer
 from replicas.embedded import (
     BENCH_MODEL_ID,
     EMBEDDED_MODEL_ID,
+    EMBEDDED_MODELS,
     PACKAGE_DIR,
+    TINY_LLAVA_MODEL_ID,
     ensure_embedded_model,
+    ensure_tiny_llava,
 )
 from replicas.model_files import resolve_model_path
 
@@ -147,6 +150,15 @@ def test_template_tools_calls_and_results(hf_tokenizer) -> None:
     assert text.endswith("<|im_start|>assistant\n<think>\neasy\n</think>\n\n20C at noon.<|im_end|>\n")
 
 
+def test_template_renders_image_parts_as_the_image_token(hf_tokenizer) -> None:
+    text = render(hf_tokenizer, [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        {"type": "image"},
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+        {"type": "text", "text": "Same?"}]}])
+    assert text == "<|im_start|>user\n<image>\n<image>\nSame?<|im_end|>\n"
+
+
 def test_template_documents(hf_tokenizer) -> None:
     text = render(hf_tokenizer, [{"role": "user", "content": "q"}],
                   documents=[{"title": "Paris", "text": "Paris is in France."}])
@@ -208,3 +220,28 @@ def test_bench_model_is_registered() -> None:
 
     assert BENCH_MODEL_ID in EMBEDDED_MODELS  # built only on demand: ~110M parameters
     assert BENCH_135M["dtype"] == "bfloat16" and BENCH_135M["num_hidden_layers"] == 30
+
+
+def test_tiny_llava_is_cached_deterministic_and_loads_offline(tmp_path_factory) -> None:
+    from transformers import AutoProcessor, LlavaProcessor
+
+    assert EMBEDDED_MODELS[TINY_LLAVA_MODEL_ID] is ensure_tiny_llava
+    first = ensure_tiny_llava(tmp_path_factory.mktemp("cache"))
+    assert first.name.startswith("tiny-llava-") and ensure_tiny_llava(first.parent) == first
+    assert sorted(p.name for p in first.iterdir()) == [
+        "chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
+        "preprocessor_config.json", "processor_config.json", "tokenizer.json",
+        "tokenizer_config.json"]
+    rebuilt = ensure_tiny_llava(tmp_path_factory.mktemp("cache"))
+    assert rebuilt.name == first.name
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (rebuilt / name).read_bytes() == (first / name).read_bytes()
+    config = json.loads((first / "config.json").read_text())
+    processor = AutoProcessor.from_pretrained(first, local_files_only=True)
+    assert isinstance(processor, LlavaProcessor)
+    image_id = processor.tokenizer.convert_tokens_to_ids("<image>")
+    assert config["image_token_index"] == image_id == processor.image_token_id
+    assert config["text_config"]["vocab_size"] % 64 == 0
+    assert config["text_config"]["vocab_size"] > image_id == len(processor.tokenizer) - 1
+    ids = processor.tokenizer("a<image>b")["input_ids"]
+    assert processor.tokenizer.decode(ids, skip_special_tokens=True) == "ab"

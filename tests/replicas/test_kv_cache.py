@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from replicas.block_hash import block_key
+from replicas.block_hash import block_key, media_key_tokens
 from replicas.kv_cache import BlockManager
-from replicas.request import SamplingParams, Sequence
+from replicas.request import MultiModalItem, SamplingParams, Sequence
 
 M64 = 2**64
 P1, P2, P5 = 11400714785074694791, 14029467366897019727, 2870177450012600261
@@ -154,3 +154,30 @@ def test_no_prefix_caching_never_matches() -> None:
     seq = _seq(1, list(range(9)))
     blocks.match_prefix(seq)
     assert seq.num_cached_tokens == 0 and blocks.cached == {}
+
+
+def _with_image(key: bytes, salt: str | None = None) -> Sequence:
+    """A 40-token prompt whose tokens 4..35 are one image's placeholders (all the same id)."""
+    tokens = [5, 6, 7, 8] + [99] * 32 + [9, 10, 11, 12]
+    seq = Sequence(0, "r", 0, list(tokens), len(tokens), SamplingParams(max_tokens=4),
+                   cache_salt=salt)
+    seq.mm_items = (MultiModalItem("image", 4, 32, key, {}),)
+    seq.key_prompt = media_key_tokens(tokens, seq.mm_items)
+    return seq
+
+
+def test_placeholder_blocks_are_keyed_by_the_image() -> None:
+    """Identical placeholder tokens share KV only when the image (its content key) is the same."""
+    red, blue = bytes(range(32)), bytes(range(1, 33))
+    manager = BlockManager(num_blocks=16, block_size=16)
+    first = _with_image(red)
+    manager.allocate(first, len(first))
+    first.num_computed_tokens = len(first)
+    manager.commit_full_blocks(first, 0)
+    same, other = _with_image(red), _with_image(blue)
+    manager.match_prefix(same)
+    manager.match_prefix(other)
+    assert same.num_cached_tokens == 32 and same.block_table == first.block_table[:2]
+    assert other.num_cached_tokens == 0
+    words = media_key_tokens([0] * 8, (MultiModalItem("image", 0, 8, red, {}),))
+    assert all(w < 0 for w in words) and len(set(words)) == 4 and words[:4] == words[4:]

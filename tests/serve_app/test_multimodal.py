@@ -1,0 +1,223 @@
+"""Images in chat messages, through the real app on the embedded tiny LLaVA and the openai SDK:
+data and HTTP URLs, several images and turns, streaming, n, structured output, the prefix cache
+keyed by image content, /tokenize, and every bad input a 400 naming its part."""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import io
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import jsonschema
+import pytest
+from openai import BadRequestError, OpenAI
+from PIL import Image
+
+from replicas.embedded import TINY_LLAVA_MODEL_ID
+from tests.conftest import running_app
+
+MODEL = TINY_LLAVA_MODEL_ID
+CONFIG = {"models": [{"model": MODEL, "max_model_len": 1024, "kv_cache_gib": 0.05,
+                      "max_num_seqs": 16, "num_threads": 2, "replica_num_cpus": 1.0}],
+          "allow_private_media_urls": True, "limit_mm_per_prompt": {"image": 2}}
+
+
+def png(colour: tuple[int, int, int], size: tuple[int, int] = (64, 48)) -> bytes:
+    """A horizontal gradient over `colour`: images of one size differ only by colour."""
+    image = Image.new("RGB", size)
+    image.putdata([tuple(min(255, c + x * 3) for c in colour)
+                   for _ in range(size[1]) for x in range(size[0])])
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+RED, BLUE = png((200, 0, 0)), png((0, 0, 200))
+
+
+def image_part(url: str) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def ask(*parts: dict[str, Any], text: str = "What is in the image?") -> list[dict[str, Any]]:
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+class _Images(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802
+        body = {"/red.png": RED, "/blue.png": BLUE}.get(self.path)
+        self.send_response(200 if body else 404)
+        self.send_header("Content-Length", str(len(body or b"")))
+        self.end_headers()
+        self.wfile.write(body or b"")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def images_url() -> Iterator[str]:
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Images)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+@pytest.fixture(scope="module")
+def base_url() -> Iterator[str]:
+    with running_app(CONFIG) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str) -> OpenAI:
+    return OpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=120)
+
+
+def greedy(client: OpenAI, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
+    return client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                          max_tokens=kwargs.pop("max_tokens", 8), **kwargs)
+
+
+def tokenize(base_url: str, messages: list[dict[str, Any]]) -> tuple[int, int]:
+    """(prompt tokens, of which image placeholders)"""
+    root = base_url.removesuffix("/v1")
+    r = httpx.post(f"{root}/tokenize", json={"model": MODEL, "messages": messages,
+                                             "return_token_strs": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["count"], r.json()["token_strs"].count("<image>")
+
+
+def test_an_image_by_data_url_counts_its_placeholder_tokens(client: OpenAI,
+                                                            base_url: str) -> None:
+    messages = ask(image_part(data_url(RED)))
+    r = greedy(client, messages)
+    assert r.choices[0].message.content is not None
+    # the image's one placeholder becomes 16 tokens, counted as vLLM counts them
+    assert tokenize(base_url, messages) == (r.usage.prompt_tokens, 16)
+
+
+def test_the_image_changes_the_logits(client: OpenAI) -> None:
+    def first_logprob(image: bytes) -> float:
+        r = greedy(client, ask(image_part(data_url(image))), max_tokens=1, logprobs=True)
+        return r.choices[0].logprobs.content[0].logprob
+    red, blue, red_again = first_logprob(RED), first_logprob(BLUE), first_logprob(RED)
+    assert red == pytest.approx(red_again, abs=1e-5)
+    assert red != pytest.approx(blue, abs=1e-5)
+
+
+def test_an_http_url_gives_what_the_same_data_url_gives(client: OpenAI, images_url: str) -> None:
+    by_url = greedy(client, ask(image_part(f"{images_url}/blue.png")), max_tokens=12)
+    by_data = greedy(client, ask(image_part(data_url(BLUE))), max_tokens=12)
+    assert by_url.choices[0].message.content == by_data.choices[0].message.content
+    simple = greedy(client, ask({"image_url": f"{images_url}/blue.png"}), max_tokens=12)
+    assert simple.choices[0].message.content == by_data.choices[0].message.content
+
+
+def test_two_images_and_an_image_in_an_earlier_turn(client: OpenAI, base_url: str) -> None:
+    two = ask(image_part(data_url(RED)), image_part(data_url(BLUE)))
+    r = greedy(client, two)
+    assert tokenize(base_url, two) == (r.usage.prompt_tokens, 32)
+    turns = [*ask(image_part(data_url(RED))), {"role": "assistant", "content": "A red one."},
+             {"role": "user", "content": "And its colour?"}]
+    r = greedy(client, turns)
+    assert tokenize(base_url, turns) == (r.usage.prompt_tokens, 16)
+
+
+def test_streaming_and_n(client: OpenAI) -> None:
+    messages = ask(image_part(data_url(RED)))
+    whole = greedy(client, messages, max_tokens=10).choices[0].message.content
+    stream = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                            max_tokens=10, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == whole
+    r = client.chat.completions.create(model=MODEL, messages=messages, n=2, max_tokens=6,
+                                       seed=1)
+    assert len(r.choices) == 2
+
+
+def test_structured_output_with_an_image(client: OpenAI) -> None:
+    schema = {"type": "object", "required": ["colour"], "additionalProperties": False,
+              "properties": {"colour": {"type": "string", "maxLength": 12}}}
+    r = client.chat.completions.create(
+        model=MODEL, messages=ask(image_part(data_url(BLUE)), text="Its colour, as JSON"),
+        max_tokens=64, response_format={"type": "json_schema", "json_schema": {
+            "name": "c", "schema": schema, "strict": True}})
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+
+
+def test_the_prefix_cache_shares_an_image_only_with_itself(client: OpenAI) -> None:
+    # the image leads the prompt, so everything cached is the image's (or after it)
+    colour = png((10, 120, 30))
+    other = png((10, 121, 30))  # the same size, one shade apart
+    first = greedy(client, ask(image_part(data_url(colour))), max_tokens=1)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = greedy(client, ask(image_part(data_url(colour))), max_tokens=1)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16
+    different = greedy(client, ask(image_part(data_url(other))), max_tokens=1)
+    assert different.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def bad(client: OpenAI, messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    with pytest.raises(BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                       extra_body=extra or None)
+    assert info.value.status_code == 400
+    return info.value.body
+
+
+@pytest.mark.parametrize(("part", "param", "words"), [
+    (image_part("data:image/png;base64,bm90IGFuIGltYWdl"), "messages[0].content[0].image_url",
+     "cannot decode"),
+    (image_part("data:image/png;base64,%%%"), "messages[0].content[0].image_url", "base64"),
+    (image_part("gopher://example.com/a.png"), "messages[0].content[0].image_url", "data:"),
+    (image_part("file:///etc/passwd"), "messages[0].content[0].image_url",
+     "--allowed-local-media-path"),
+    ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+     "messages[0].content[0]", "no audio"),
+    ({"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}},
+     "messages[0].content[0]", "no video"),
+    ({"type": "image_embeds", "image_embeds": "AAAA"}, "messages[0].content[0].image_embeds",
+     "not supported"),
+    ({"type": "image_url", "image_url": {"url": data_url(RED), "detail": "max"}},
+     "messages[0].content[0].image_url.detail", "detail"),
+    ({"type": "image_url", "image_url": {"url": data_url(RED)}, "uuid": "abc"},
+     "messages[0].content[0].uuid", "uuid"),
+    ({"type": "file", "file": {"file_id": "file-1"}}, "messages[0].content[0].file", "file_data"),
+])
+def test_bad_media_parts_name_the_part(client: OpenAI, part: dict[str, Any], param: str,
+                                       words: str) -> None:
+    body = bad(client, ask(part))
+    assert body["param"] == param, body
+    assert words in body["message"], body
+
+
+def test_limits_placeholders_and_processor_kwargs(client: OpenAI) -> None:
+    three = ask(*[image_part(data_url(RED))] * 3)
+    body = bad(client, three)
+    assert body["param"] == "messages[0].content[2].image_url"
+    assert "--limit-mm-per-prompt" in body["message"]
+    body = bad(client, ask(text="a literal <image> in text"))
+    assert "placeholder" in body["message"]
+    body = bad(client, ask(image_part(data_url(RED))), mm_processor_kwargs={"num_crops": 4})
+    assert body["param"] == "mm_processor_kwargs"
+    body = bad(client, ask(image_part(data_url(RED))),
+               mm_processor_kwargs={"crop_size": {"height": 28, "width": 28}})
+    assert body["param"] == "mm_processor_kwargs" and "56" in body["message"]
+    # a file part with an image's data URL is that image
+    r = greedy(client, ask({"type": "file", "file": {"file_data": data_url(RED)}}))
+    assert r.usage.prompt_tokens == greedy(client, ask(image_part(data_url(RED)))
+                                           ).usage.prompt_tokens
+
+
+def test_the_server_keeps_serving(client: OpenAI) -> None:
+    r = greedy(client, [{"role": "user", "content": "Hello"}])
+    assert r.choices[0].finish_reason in ("stop", "length")

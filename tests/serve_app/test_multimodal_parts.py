@@ -1,0 +1,70 @@
+"""Media parts -> template parts and sources; a rendered prompt's placeholders -> expanded tokens and
+items with content keys (serve_app/multimodal.py, no Ray)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from replicas.embedded import TINY_LLAVA_MODEL_ID, EMBEDDED_MODELS
+from serve_app import chat
+from serve_app.errors import APIError
+from serve_app.multimodal import MediaProcessor, MediaRef, check_limits, truncate_items
+from serve_app.protocol import Message
+
+
+@pytest.fixture(scope="module")
+def media() -> MediaProcessor:
+    processor = MediaProcessor.load(EMBEDDED_MODELS[TINY_LLAVA_MODEL_ID]())
+    assert processor is not None
+    return processor
+
+
+def test_parts_become_template_parts_and_sources_in_order() -> None:
+    messages = [Message(role="user", content=[
+        {"type": "text", "text": "a"}, {"image_url": "https://example.com/1.png"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA", "detail": "low"}}]),
+        Message(role="assistant", content="b")]
+    refs: list[MediaRef] = []
+    out = chat.to_template_messages(messages, frozenset({"image"}), refs)
+    assert out[0]["content"] == [{"type": "text", "text": "a"}, {"type": "image"},
+                                 {"type": "image"}]
+    assert out[1]["content"] == "b"
+    assert [(r.url, r.param, r.detail) for r in refs] == [
+        ("https://example.com/1.png", "messages[0].content[1].image_url", None),
+        ("data:image/png;base64,AA", "messages[0].content[2].image_url", "low")]
+    with pytest.raises(APIError, match="text-only") as info:  # a text-only model
+        chat.to_template_messages(messages)
+    assert info.value.param == "messages[0].content[1].type"
+
+
+def test_limits_name_the_first_part_over() -> None:
+    refs = [MediaRef("image", "u", f"messages[0].content[{i}].image_url") for i in range(3)]
+    check_limits(refs[:2], {"image": 2})
+    with pytest.raises(APIError, match="at most 2") as info:
+        check_limits(refs, {"image": 2})
+    assert info.value.param == "messages[0].content[2].image_url"
+
+
+def test_placeholders_expand_to_the_processors_count(media: MediaProcessor) -> None:
+    t = media.image_token_id
+    red, blue = Image.new("RGB", (30, 20), (255, 0, 0)), Image.new("RGB", (90, 70), (0, 0, 255))
+    ids, items = media.process([1, t, 2, 3, t, 4], [red, blue], [], None)
+    assert ids == [1] + [t] * 16 + [2, 3] + [t] * 16 + [4]
+    assert [(i.offset, i.length) for i in items] == [(1, 16), (19, 16)]
+    assert items[0].data["pixel_values"].shape == (3, 56, 56)
+    assert items[0].key != items[1].key and len(items[0].key) == 32
+    _, again = media.process([t], [red.copy()], [], None)
+    assert again[0].key == items[0].key  # the content, not the object, is the identity
+    with pytest.raises(APIError, match="placeholder"):
+        media.process([1, t, t], [red], [], None)
+    with pytest.raises(APIError) as info:
+        media.process([t], [red], [], {"no_such_setting": 1})
+    assert info.value.param == "mm_processor_kwargs"
+    kept = ids[5:]
+    with pytest.raises(APIError, match="cut an image"):
+        truncate_items(ids, kept, items)
+    moved = truncate_items(ids, ids[1:], items)
+    assert [i.offset for i in moved] == [0, 18]
+    assert np.array_equal(moved[1].data["pixel_values"], items[1].data["pixel_values"])
