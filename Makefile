@@ -1,4 +1,5 @@
-# The two commands: `make serve` (set up, then serve the embedded SmolLM2-135M-Instruct on :8000)
+# The two commands: `make serve` (set up, then serve the embedded SmolLM2-135M-Instruct on :8000,
+# and beside it the tiny random-weight LLaVA that takes images)
 # and `make test`.
 PYTHON ?= python3
 VENV ?= .venv
@@ -21,7 +22,7 @@ $(BIN)/shardserve: pyproject.toml
 setup: $(BIN)/shardserve
 
 serve: setup
-	$(BIN)/shardserve serve $(ARGS)
+	$(BIN)/shardserve serve --also-serve shardserve/tiny-llava $(ARGS)
 
 test: setup
 	$(BIN)/python -m pytest -q $(ARGS)

@@ -33,6 +33,10 @@ def _serve_parser(sub: Any) -> None:
                         "float checkpoint's linears, multiplied by native CPU kernels; a GGUF "
                         "file's quantized weights are served as they are without it")
     p.add_argument("--served-model-name")
+    p.add_argument("--also-serve", action="append", metavar="MODEL",
+                   help="serve this model too, beside --model, with default settings "
+                        "(repeatable; `make serve` adds the embedded shardserve/tiny-llava, "
+                        "so an image request works out of the box)")
     p.add_argument("--host")
     p.add_argument("--port", type=int)
     p.add_argument("--max-model-len", type=int)
@@ -143,6 +147,8 @@ def config_from_args(args: argparse.Namespace):
         if len(models) > 1:
             raise SystemExit("model flags apply to one model; edit the config file for several")
         data["models"] = [{**models[0], **model}]
+    for extra in args.also_serve or ():
+        data["models"] = [*(data.get("models") or [{}]), {"model": extra}]
     if args.trust_request_chat_template:
         data["trust_request_chat_template"] = True
     if args.allow_private_media_urls:

@@ -33,6 +33,7 @@ from PIL import Image, UnidentifiedImageError
 from serve_app.errors import APIError
 
 MAX_REDIRECTS = 3
+MAX_ASPECT_RATIO = 200  # as Qwen2-VL's processor
 
 
 @dataclass(frozen=True)
@@ -209,6 +210,11 @@ def decode_image(data: bytes, param: str, max_pixels: int, detail: str | None = 
         if width * height > max_pixels:
             raise APIError(f"the image has {width} x {height} pixels, more than the server's "
                            f"limit of {max_pixels}", param=param)
+        if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+            # a processor scales the short side up to its resolution: a 1 x 10^6 strip would
+            # become gigabytes of pixels
+            raise APIError(f"the image is {width} x {height} pixels: its sides may differ at "
+                           f"most {MAX_ASPECT_RATIO}-fold", param=param)
         image = image.convert("RGB")
     except APIError:
         raise

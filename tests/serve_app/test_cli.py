@@ -1,10 +1,13 @@
-"""`shardserve serve` as a user runs it (the default model: SmolLM2-135M-Instruct's GGUF): its own
-Ray, HAProxy in front, ready when it says so,
+"""`shardserve serve` as `make serve` runs it (the default model, SmolLM2-135M-Instruct's GGUF, and
+beside it the tiny LLaVA): its own Ray, HAProxy in front, ready when it says so, an image request
+answered,
 gone (HAProxy included) after SIGINT, even started as a shell starts a background job (SIGINT
 ignored); SIGTERM goes to the same handler."""
 
 from __future__ import annotations
 
+import base64
+import io
 import os
 import signal
 import subprocess
@@ -15,8 +18,9 @@ import time
 import psutil
 import pytest
 from openai import OpenAI
+from PIL import Image
 
-from replicas.embedded import DEFAULT_MODEL_ID
+from replicas.embedded import DEFAULT_MODEL_ID, TINY_LLAVA_MODEL_ID
 from serve_app import http_front
 from tests.conftest import free_port
 
@@ -33,7 +37,8 @@ def test_serve_behind_haproxy_answers_then_stops_cleanly() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "serve_app.cli", "serve", "--port", str(port), "--num-cpus", "4",
-         "--kv-cache-gib", "0.05", "--max-model-len", "512", "--num-threads", "1"],
+         "--kv-cache-gib", "0.05", "--max-model-len", "512", "--num-threads", "1",
+         "--also-serve", TINY_LLAVA_MODEL_ID],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
@@ -55,6 +60,13 @@ def test_serve_behind_haproxy_answers_then_stops_cleanly() -> None:
             max_tokens=5, stream=True, extra_body={"ignore_eos": True})
         chunks = [c for c in stream if c.choices and c.choices[0].delta.content]
         assert 1 <= len(chunks) <= 5
+        image = io.BytesIO()
+        Image.new("RGB", (40, 30), (250, 120, 0)).save(image, format="PNG")
+        url = "data:image/png;base64," + base64.b64encode(image.getvalue()).decode()
+        r = client.chat.completions.create(model=TINY_LLAVA_MODEL_ID, max_tokens=4, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "What is this?"}]}])
+        assert r.usage.prompt_tokens > 16 and r.usage.completion_tokens >= 1
     finally:
         proc.send_signal(signal.SIGINT)
         try:

@@ -122,6 +122,8 @@ def test_decode_checks_pixels_before_decoding() -> None:
     assert image.size == (20, 10) and image.mode == "RGB"
     with pytest.raises(APIError, match="more than the server's limit"):
         decode_image(png(100, 100), "p", max_pixels=1000)
+    with pytest.raises(APIError, match="200-fold"):
+        decode_image(png(1000, 4), "p", max_pixels=1 << 24)
     with pytest.raises(APIError, match="cannot decode") as info:
         decode_image(b"not an image", "p", max_pixels=1000)
     assert info.value.param == "p"
