@@ -5,6 +5,8 @@ expected output length, extra request body). Knows nothing of HTTP or timing.
 - ``sharegpt_requests``: first human turn of ShareGPT-style conversations; the reply sets the
   output length.
 - ``structured_requests``: a seeded mix of json_schema / regex / choice constrained requests.
+- ``random_mm_requests``: random prompts, each after images of a given size (data URLs of seeded
+  noise), either all different (encoder and prefix caches miss) or drawn from a few (they hit).
 """
 
 from __future__ import annotations
@@ -370,4 +372,51 @@ def structured_requests(
     return requests
 
 
-DATASETS: tuple[str, ...] = ("random", "sharegpt", "structured")
+# ---------------------------------------------------------------------------------------------
+# random-mm
+
+
+def noise_png(width: int, height: int, rng: np.random.Generator) -> str:
+    """A data URL of a PNG of seeded noise (PNG: lossless, so each image is its own item)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    pixels = rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def random_mm_requests(
+    num_requests: int,
+    input_len: int,
+    output_len: int,
+    image_size: tuple[int, int] = (336, 336),
+    images_per_request: int = 1,
+    distinct_images: int = 0,
+    tokenizer: Tokenizer | None = None,
+    seed: int = 0,
+) -> list[BenchRequest]:
+    """``random_requests`` whose user message opens with ``images_per_request`` images of
+    ``image_size`` (width, height): every image new (``distinct_images`` 0), or each drawn in turn
+    from that many (the same image again: the encoder and prefix caches' hit path)."""
+    if images_per_request < 1 or distinct_images < 0:
+        raise ValueError("images_per_request must be >= 1 and distinct_images >= 0")
+    rng = np.random.default_rng(seed + 1)
+    pool = [noise_png(*image_size, rng) for _ in range(distinct_images)]
+    out = []
+    for i, req in enumerate(random_requests(num_requests, input_len, output_len,
+                                            tokenizer=tokenizer, seed=seed)):
+        urls = [pool[(i * images_per_request + k) % len(pool)] if pool
+                else noise_png(*image_size, rng) for k in range(images_per_request)]
+        content = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+        content.append({"type": "text", "text": req.prompt})
+        out.append(BenchRequest(req.prompt, req.prompt_len, req.output_len,
+                                messages=({"role": "user", "content": content},),
+                                kind="random-mm"))
+    return out
+
+
+DATASETS: tuple[str, ...] = ("random", "sharegpt", "structured", "random-mm")

@@ -318,6 +318,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="e.g. json_schema=2,regex=1,choice=1 (default: equal)",
     )
     data.add_argument(
+        "--random-mm-image-size", type=_image_size, default=(336, 336), metavar="WxH",
+        help="random-mm: each image's width x height")
+    data.add_argument("--random-mm-images-per-request", type=_positive_int, default=1)
+    data.add_argument(
+        "--random-mm-distinct-images", type=_non_negative_int, default=0,
+        help="random-mm: images drawn in turn from this many (0: every image new)")
+    data.add_argument(
         "--structured-output-len", type=_positive_int, default=256, help="max_tokens cap for structured requests"
     )
 
@@ -375,6 +382,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--disable-tqdm", action="store_true")
 
 
+def _image_size(text: str) -> tuple[int, int]:
+    try:
+        width, height = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT, got {text!r}") from None
+    if width < 1 or height < 1:
+        raise argparse.ArgumentTypeError("image sides must be >= 1")
+    return width, height
+
+
 def load_requests(
     args: argparse.Namespace, num: int, seed: int, tokenizer: datasets.Tokenizer | None
 ) -> list[BenchRequest]:
@@ -395,6 +412,10 @@ def load_requests(
         return datasets.sharegpt_requests(args.dataset_path, num, tokenizer, args.sharegpt_output_len, seed)
     if args.dataset_name == "structured":
         return datasets.structured_requests(num, args.structured_output_len, args.structured_mix, tokenizer, seed)
+    if args.dataset_name == "random-mm":
+        return datasets.random_mm_requests(
+            num, args.random_input_len, args.random_output_len, args.random_mm_image_size,
+            args.random_mm_images_per_request, args.random_mm_distinct_images, tokenizer, seed)
     raise ValueError(f"unknown dataset {args.dataset_name!r}")
 
 

@@ -12,6 +12,7 @@ from benchmarks.datasets import (
     count_tokens,
     load_tokenizer,
     parse_structured_mix,
+    random_mm_requests,
     random_requests,
     sharegpt_requests,
     structured_requests,
@@ -194,3 +195,18 @@ def test_structured_mix_parsing() -> None:
         with pytest.raises(ValueError):
             parse_structured_mix(bad)
     assert {r.kind for r in structured_requests(20, mix=parse_structured_mix("choice=1"))} == {"structured:choice"}
+
+
+def test_random_mm_images_are_new_or_drawn_from_a_pool() -> None:
+    fresh = random_mm_requests(3, 8, 4, image_size=(20, 10), images_per_request=2)
+    urls = [p["image_url"]["url"] for r in fresh for p in r.chat_messages()[0]["content"]
+            if p["type"] == "image_url"]
+    assert len(urls) == 6 and len(set(urls)) == 6
+    assert all(u.startswith("data:image/png;base64,") for u in urls)
+    assert fresh[0].chat_messages()[0]["content"][-1] == {"type": "text",
+                                                          "text": fresh[0].prompt}
+    pooled = random_mm_requests(4, 8, 4, image_size=(20, 10), distinct_images=2)
+    urls = [r.chat_messages()[0]["content"][0]["image_url"]["url"] for r in pooled]
+    assert urls[0] == urls[2] and urls[1] == urls[3] and urls[0] != urls[1]
+    with pytest.raises(ValueError):
+        random_mm_requests(1, 8, 4, images_per_request=0)
