@@ -91,8 +91,8 @@ def _serve_parser(sub: Any) -> None:
                         "new ones are answered 503 (default 10)")
     p.add_argument("--logits-processors", nargs="*", help="allowlisted processor names")
     p.add_argument("--limit-mm-per-prompt", type=json.loads,
-                   help='media items a prompt may carry, by modality (JSON, default '
-                        '{"image": 8})')
+                   help='media items a prompt may carry, by modality (JSON, e.g. '
+                        '{"image": 4, "audio": 1}; 8 for a modality not named)')
     p.add_argument("--allowed-media-domains", nargs="*",
                    help="hosts (and their subdomains) media URLs may name (default: any)")
     p.add_argument("--allow-private-media-urls", action="store_true",

@@ -152,7 +152,8 @@ class AppConfig(BaseModel):
     shutdown_grace_s: float = Field(10.0, ge=0)
     # media in chat messages (multimodal models; serve_app/media.py): items per prompt by
     # modality (vLLM's --limit-mm-per-prompt), where URLs may point, how much is fetched
-    limit_mm_per_prompt: dict[str, int] = Field(default_factory=lambda: {"image": 8})
+    # (8 for a modality it does not name)
+    limit_mm_per_prompt: dict[str, int] = Field(default_factory=dict)
     allowed_media_domains: list[str] | None = None  # None: any public host
     allow_private_media_urls: bool = False
     allowed_local_media_path: str | None = None  # file:// URLs only beneath it

@@ -477,9 +477,9 @@ class Ingress:
                                "text only", param="mm_processor_kwargs")
             return ids, ()
         multimodal.check_limits(refs, self.config.limit_mm_per_prompt)
-        images = await multimodal.load_images(self.media, refs, self.config.max_image_pixels,
-                                              self.pre.run)
-        return await self.pre.run(served.media.process, ids, images, refs, kwargs)
+        media = await multimodal.load_media(self.media, served.media, refs,
+                                            self.config.max_image_pixels, self.pre.run)
+        return await self.pre.run(served.media.process, ids, media, refs, kwargs)
 
     async def _chat(self, request: Request, body: ChatCompletionRequest, served: ServedModel,
                     ticket: Ticket) -> Response:

@@ -10,8 +10,10 @@ Owns where a media item may come from (vLLM's flags and defaults):
   (DNS rebinding) cannot pass. `--allowed-media-domains` limits the hosts (and their
   subdomains);
 - `file://` URLs, only under `--allowed-local-media-path`.
-Decoding checks the image's size from its header before decoding a pixel, so a small file that
-expands to a huge image (a decompression bomb) is refused cheaply."""
+Decoding checks an image's size (an audio clip's duration) from its header before decoding it, so a
+small file that expands to a huge image (a decompression bomb) is refused cheaply. Audio (wav, mp3,
+flac, ogg: libsndfile through soundfile) is mixed to mono and resampled to the model's rate
+(soxr)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import numpy as np
+import soundfile
+import soxr
 from aiohttp.abc import AbstractResolver, ResolveResult
 from aiohttp.resolver import DefaultResolver
 from PIL import Image, UnidentifiedImageError
@@ -223,3 +228,24 @@ def decode_image(data: bytes, param: str, max_pixels: int, detail: str | None = 
     if detail == "low":
         image.thumbnail((512, 512))
     return image
+
+
+def decode_audio(data: bytes, param: str, sampling_rate: int, max_seconds: float) -> np.ndarray:
+    """Bytes -> mono float32 samples at `sampling_rate` (blocking: a preprocessing thread)."""
+    try:
+        info = soundfile.info(io.BytesIO(data))
+        if info.samplerate <= 0 or info.frames <= 0:
+            raise APIError("the audio holds no samples", param=param)
+        seconds = info.frames / info.samplerate
+        if seconds > max_seconds:
+            raise APIError(f"the audio lasts {seconds:.1f} s, more than this model's limit of "
+                           f"{max_seconds:g} s", param=param)
+        samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    except APIError:
+        raise
+    except (soundfile.LibsndfileError, RuntimeError, TypeError, ValueError) as exc:
+        raise APIError(f"cannot decode the audio: {exc}", param=param) from None
+    mono = samples.mean(axis=1)
+    if rate != sampling_rate:
+        mono = soxr.resample(mono, rate, sampling_rate)
+    return np.ascontiguousarray(mono, dtype=np.float32)

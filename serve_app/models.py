@@ -80,8 +80,8 @@ def load_model(config: ModelConfig, handle: Any) -> ServedModel:
                 defaults.items() or "OpenAI's", config.generation_config)
     media = MediaProcessor.load(path)
     if media is not None:
-        logger.info("%s: takes %s (placeholder %s)", config.name, ", ".join(media.modalities),
-                    media.image_token)
+        logger.info("%s: takes %s", config.name, ", ".join(
+            f"{m} (placeholder {token})" for m, (token, _) in media.tokens.items()))
     return ServedModel(config, handle, tokenizer, tokenizer.backend_tokenizer, defaults,
                        media=media)
 

@@ -3,10 +3,11 @@
 Owns which content parts carry media and their parameter paths (`messages[1].content[2].image_url`,
 the name every 400 about the part carries), the per-prompt limits (`--limit-mm-per-prompt`), the
 model's processor (transformers' `AutoProcessor` of the model folder: its image processor makes
-the pixel values, and it says how many placeholder tokens each image takes), expanding each
-image's one placeholder token of the rendered prompt into that many (vLLM's prompt update), and
-each item's content key: BLAKE2b over exactly what the encoder reads (shape and pixel values,
-so processor settings count), the identity the encoder cache and the prefix cache share.
+pixel values, its audio feature extractor log-mel features, and it says how many placeholder
+tokens each item takes), expanding each item's one placeholder token of the rendered prompt into
+that many (vLLM's prompt update), and each item's content key: BLAKE2b over exactly what the
+encoder reads (so processor settings count), the identity the encoder cache and the prefix cache
+share.
 
 The ingress does the decoding and preprocessing (on its preprocessing threads); the replica gets
 pixel arrays and runs the encoder."""
@@ -24,7 +25,7 @@ import numpy as np
 
 from replicas.request import MultiModalItem
 from serve_app.errors import APIError
-from serve_app.media import MediaFetcher, decode_image
+from serve_app.media import MediaFetcher, decode_audio, decode_image
 from serve_app.protocol import ContentPart
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,8 @@ MEDIA_PARTS: dict[str, tuple[str, str]] = {
     "file": ("file", "file"),
 }
 DETAILS = ("auto", "low", "high")
+DEFAULT_LIMIT = 8  # items of a modality per prompt where --limit-mm-per-prompt does not say
+AUDIO_FORMATS = ("wav", "mp3")  # OpenAI's; any format libsndfile reads decodes the same way
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 
 
@@ -63,10 +66,19 @@ def media_ref(part: ContentPart, param: str, modalities: frozenset[str]) -> Medi
                        "server computes embeddings with the model's own encoder", param=where)
     if modality == "file":
         data = value.get("file_data") if isinstance(value, dict) else None
-        if not isinstance(data, str) or not data.startswith("data:image/"):
-            raise APIError("file parts are served when file_data is a data:image/... URL "
-                           "(file_id needs a files API, which this server has not)", param=where)
-        modality, value = "image", {"url": data}
+        if not isinstance(data, str) or not data.startswith(("data:image/", "data:audio/")):
+            raise APIError("file parts are served when file_data is a data:image/... or "
+                           "data:audio/... URL (file_id needs a files API, which this server "
+                           "has not)", param=where)
+        modality, value = data[5:10], {"url": data}
+    if part.type == "input_audio":
+        if not isinstance(value, dict) or not isinstance(value.get("data"), str):
+            raise APIError("input_audio needs {\"data\": <base64>, \"format\": \"wav\" or "
+                           "\"mp3\"}", param=where)
+        if value.get("format") not in AUDIO_FORMATS:
+            raise APIError(f"input_audio format must be one of {', '.join(AUDIO_FORMATS)}",
+                           param=f"{where}.format")
+        value = {"url": f"data:audio/{value['format']};base64,{value['data']}"}
     if modality not in modalities:
         takes = " and ".join(sorted(modalities)) or "text only"
         raise APIError(f"this model takes no {modality} input (it takes {takes})", param=param)
@@ -88,101 +100,146 @@ def check_limits(refs: list[MediaRef], limits: dict[str, int]) -> None:
     seen: dict[str, int] = {}
     for ref in refs:
         seen[ref.modality] = seen.get(ref.modality, 0) + 1
-        limit = limits.get(ref.modality, 0)
+        limit = limits.get(ref.modality, DEFAULT_LIMIT)
         if seen[ref.modality] > limit:
             raise APIError(f"at most {limit} {ref.modality} item(s) per prompt "
                            "(--limit-mm-per-prompt)", param=ref.param)
 
 
 class MediaProcessor:
-    """A multimodal model's processor as the ingress uses it."""
+    """A multimodal model's processor as the ingress uses it: per modality, the placeholder
+    token and the encoder inputs and placeholder count of each item."""
 
     def __init__(self, processor: Any, hf_config: Any) -> None:
         self.processor = processor
-        self.image_token: str = processor.image_token
-        self.image_token_id: int = int(processor.image_token_id)
-        self.modalities = frozenset({"image"})
+        self.tokens: dict[str, tuple[str, int]] = {}  # modality -> (placeholder, its id)
+        if getattr(processor, "image_processor", None) is not None:
+            self.tokens["image"] = (processor.image_token, int(processor.image_token_id))
+        if getattr(processor, "feature_extractor", None) is not None:
+            self.tokens["audio"] = (processor.audio_token, int(processor.audio_token_id))
+            self.sampling_rate = int(processor.feature_extractor.sampling_rate)
+            # the extractor pads (and would cut) every clip to one window: longer is refused
+            self.max_audio_s = float(processor.feature_extractor.chunk_length)
+        self.modalities = frozenset(self.tokens)
         vision = getattr(hf_config, "vision_config", None)
         size = getattr(vision, "image_size", None)
         self.image_size: int | None = int(size) if size else None
-        self.settings = set(processor.image_processor.to_dict())
+        self.settings = {m: set(self._part(m).to_dict()) for m in self.tokens}
+
+    def _part(self, modality: str) -> Any:
+        return (self.processor.image_processor if modality == "image"
+                else self.processor.feature_extractor)
 
     @classmethod
     def load(cls, path: Path) -> MediaProcessor | None:
-        """The model folder's processor when the model takes images, else None."""
+        """The model folder's processor when the model takes media, else None."""
         if not any((path / name).exists() for name in PROCESSOR_FILES):
             return None
         config = json.loads((path / "config.json").read_text())
-        if "vision_config" not in config:
+        if "vision_config" not in config and "audio_config" not in config:
             return None
         from transformers import AutoConfig, AutoProcessor
 
         return cls(AutoProcessor.from_pretrained(path), AutoConfig.from_pretrained(path))
 
-    def _kwargs(self, kwargs: dict[str, Any] | None) -> dict[str, Any]:
-        kwargs = dict(kwargs or {})
-        unknown = sorted(set(kwargs) - self.settings)
+    def decode(self, blob: bytes, ref: MediaRef, max_pixels: int) -> Any:
+        """An item's bytes -> what its processor takes (blocking: a preprocessing thread)."""
+        if ref.modality == "audio":
+            return decode_audio(blob, ref.param, self.sampling_rate, self.max_audio_s)
+        return decode_image(blob, ref.param, max_pixels, ref.detail)
+
+    def _settings(self, modality: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The request's mm_processor_kwargs that this modality's processor has."""
+        known = set().union(*self.settings.values())
+        unknown = sorted(set(kwargs) - known)
         if unknown:
             raise APIError(f"mm_processor_kwargs: {unknown[0]!r} is not a setting of this "
-                           f"model's image processor (it has {', '.join(sorted(self.settings))})",
+                           f"model's processor (it has {', '.join(sorted(known))})",
                            param="mm_processor_kwargs")
-        return kwargs
+        return {k: v for k, v in kwargs.items() if k in self.settings[modality]}
 
-    def process(self, ids: list[int], images: list[Any], refs: list[MediaRef],
+    def _encoder_inputs(self, modality: str, items: list[Any],
+                        settings: dict[str, Any]) -> list[tuple[dict[str, np.ndarray], int]]:
+        """(encoder inputs, placeholder tokens) of each item of one modality."""
+        if modality == "audio":
+            inputs, _ = self.processor._process_audio(
+                items, sampling_rate=self.sampling_rate, return_tensors="np", **settings)
+            return [({"input_features": np.ascontiguousarray(f, dtype=np.float32),
+                      "feature_attention_mask": np.ascontiguousarray(m, dtype=np.int32)},
+                     int(n))
+                    for f, m, n in zip(inputs["input_features"],
+                                       inputs["feature_attention_mask"],
+                                       inputs["num_audio_tokens"], strict=True)]
+        pixels = self.processor.image_processor(items, return_tensors="np",
+                                                **settings)["pixel_values"]
+        counts = self.processor._get_num_multimodal_tokens(
+            image_sizes=[(im.height, im.width) for im in items],
+            images_kwargs=settings).num_image_tokens
+        if self.image_size is not None and pixels.shape[-2:] != (self.image_size,) * 2:
+            raise APIError(f"mm_processor_kwargs make {pixels.shape[-2]} x {pixels.shape[-1]} "
+                           f"pixel images; this model's vision encoder takes {self.image_size}"
+                           f" x {self.image_size}", param="mm_processor_kwargs")
+        return [({"pixel_values": np.ascontiguousarray(p, dtype=np.float32)}, int(n))
+                for p, n in zip(pixels, counts, strict=True)]
+
+    def process(self, ids: list[int], media: list[Any], refs: list[MediaRef],
                 kwargs: dict[str, Any] | None) -> tuple[list[int], tuple[MultiModalItem, ...]]:
-        """Prompt ids with one placeholder per image -> ids with each expanded, and the items
-        (blocking: a preprocessing thread runs it)."""
-        found = [i for i, t in enumerate(ids) if t == self.image_token_id]
-        if len(found) != len(images):
-            raise APIError(f"the prompt holds {len(found)} image placeholder(s) "
-                           f"({self.image_token}) for {len(images)} image(s): text may not "
-                           "carry the placeholder itself", param="messages")
-        settings = self._kwargs(kwargs)
-        if not images:
-            return ids, ()
+        """Prompt ids with one placeholder per item -> ids with each expanded, and the items
+        (blocking: a preprocessing thread runs it). `media[i]` is `refs[i]`'s decoded item."""
+        kwargs = dict(kwargs or {})
+        # modality -> the prompt positions of its placeholders, in order
+        found = {m: [i for i, t in enumerate(ids) if t == token_id]
+                 for m, (_, token_id) in self.tokens.items()}
+        for m, (token, _) in self.tokens.items():
+            n = sum(r.modality == m for r in refs)
+            if len(found[m]) != n:
+                raise APIError(f"the prompt holds {len(found[m])} {m} placeholder(s) ({token}) "
+                               f"for {n} {m} item(s): text may not carry the placeholder "
+                               "itself", param="messages")
+        inputs: dict[str, list[tuple[dict[str, np.ndarray], int]]] = {}
         try:
-            pixels = self.processor.image_processor(images, return_tensors="np",
-                                                    **settings)["pixel_values"]
-            counts = self.processor._get_num_multimodal_tokens(
-                image_sizes=[(im.height, im.width) for im in images],
-                images_kwargs=settings).num_image_tokens
+            for m in self.tokens:
+                mine = [x for x, r in zip(media, refs, strict=True) if r.modality == m]
+                settings = self._settings(m, kwargs)
+                inputs[m] = self._encoder_inputs(m, mine, settings) if mine else []
         except APIError:
             raise
         except Exception as exc:  # a setting of the wrong type or value
             raise APIError(f"mm_processor_kwargs: {type(exc).__name__}: {exc}",
                            param="mm_processor_kwargs") from None
-        if self.image_size is not None and pixels.shape[-2:] != (self.image_size,) * 2:
-            raise APIError(f"mm_processor_kwargs make {pixels.shape[-2]} x {pixels.shape[-1]} "
-                           f"pixel images; this model's vision encoder takes {self.image_size}"
-                           f" x {self.image_size}", param="mm_processor_kwargs")
+        placed = sorted((pos, m, k) for m, positions in found.items()
+                        for k, pos in enumerate(positions))
         out: list[int] = []
         items = []
         prev = 0
-        for k, (pos, count) in enumerate(zip(found, counts, strict=True)):
+        for pos, m, k in placed:
             out.extend(ids[prev:pos])
-            pv = np.ascontiguousarray(pixels[k], dtype=np.float32)
-            items.append(MultiModalItem("image", len(out), int(count), content_key(pv), {
-                "pixel_values": pv}))
-            out.extend([self.image_token_id] * int(count))
+            data, count = inputs[m][k]
+            items.append(MultiModalItem(m, len(out), count, content_key(m, data), data))
+            out.extend([ids[pos]] * count)
             prev = pos + 1
         out.extend(ids[prev:])
         return out, tuple(items)
 
 
-def content_key(pixels: np.ndarray) -> bytes:
-    h = hashlib.blake2b(digest_size=32, person=b"shardserve-img")
-    h.update(repr((pixels.shape, str(pixels.dtype))).encode())
-    h.update(memoryview(pixels).cast("B"))
+def content_key(modality: str, data: dict[str, np.ndarray]) -> bytes:
+    """BLAKE2b-256 over exactly what the encoder reads: every input's name, shape, dtype, bytes."""
+    h = hashlib.blake2b(digest_size=32, person=b"shardserve-mm")
+    h.update(modality.encode())
+    for name in sorted(data):
+        array = np.ascontiguousarray(data[name])
+        h.update(repr((name, array.shape, str(array.dtype))).encode())
+        h.update(memoryview(array).cast("B"))
     return h.digest()
 
 
-async def load_images(fetcher: MediaFetcher, refs: list[MediaRef], max_pixels: int,
-                      run: Any) -> list[Any]:
+async def load_media(fetcher: MediaFetcher, media: MediaProcessor, refs: list[MediaRef],
+                     max_pixels: int, run: Any) -> list[Any]:
     """Fetches every item at once, decodes each on a preprocessing thread (`run`)."""
     import asyncio
 
     blobs = await asyncio.gather(*(fetcher.load(r.url, r.param) for r in refs))
-    return list(await asyncio.gather(*(run(decode_image, b, r.param, max_pixels, r.detail)
+    return list(await asyncio.gather(*(run(media.decode, b, r, max_pixels)
                                        for b, r in zip(blobs, refs, strict=True))))
 
 

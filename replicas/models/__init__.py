@@ -9,6 +9,7 @@ from transformers import PretrainedConfig
 
 from replicas.models.llama import LlamaForCausalLM
 from replicas.models.llava import LlavaForConditionalGeneration
+from replicas.models.qwen2_audio import Qwen2AudioForConditionalGeneration
 
 _ARCHITECTURES: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -16,6 +17,7 @@ _ARCHITECTURES: dict[str, type] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    "Qwen2AudioForConditionalGeneration": Qwen2AudioForConditionalGeneration,
 }
 
 

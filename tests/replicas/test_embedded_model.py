@@ -14,8 +14,10 @@ from replicas.embedded import (
     EMBEDDED_MODELS,
     PACKAGE_DIR,
     TINY_LLAVA_MODEL_ID,
+    TINY_QWEN2_AUDIO_MODEL_ID,
     ensure_embedded_model,
     ensure_tiny_llava,
+    ensure_tiny_qwen2_audio,
 )
 from replicas.model_files import resolve_model_path
 
@@ -150,13 +152,17 @@ def test_template_tools_calls_and_results(hf_tokenizer) -> None:
     assert text.endswith("<|im_start|>assistant\n<think>\neasy\n</think>\n\n20C at noon.<|im_end|>\n")
 
 
-def test_template_renders_image_parts_as_the_image_token(hf_tokenizer) -> None:
+def test_template_renders_media_parts_as_their_placeholders(hf_tokenizer) -> None:
     text = render(hf_tokenizer, [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
         {"type": "image"},
         {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+        {"type": "audio_url", "audio_url": {"url": "https://example.com/a.wav"}},
+        {"type": "audio"},
+        {"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}},
         {"type": "text", "text": "Same?"}]}])
-    assert text == "<|im_start|>user\n<image>\n<image>\nSame?<|im_end|>\n"
+    audio = "<|audio_bos|><|AUDIO|><|audio_eos|>"
+    assert text == f"<|im_start|>user\n<image>\n<image>\n{audio}\n{audio}\n{audio}\nSame?<|im_end|>\n"
 
 
 def test_template_documents(hf_tokenizer) -> None:
@@ -245,3 +251,52 @@ def test_tiny_llava_is_cached_deterministic_and_loads_offline(tmp_path_factory) 
     assert config["text_config"]["vocab_size"] > image_id == len(processor.tokenizer) - 1
     ids = processor.tokenizer("a<image>b")["input_ids"]
     assert processor.tokenizer.decode(ids, skip_special_tokens=True) == "ab"
+
+
+def test_tiny_qwen2_audio_is_cached_deterministic_and_loads_offline(tmp_path_factory) -> None:
+    import numpy as np
+    from transformers import AutoProcessor, Qwen2AudioProcessor, WhisperFeatureExtractor
+
+    assert EMBEDDED_MODELS[TINY_QWEN2_AUDIO_MODEL_ID] is ensure_tiny_qwen2_audio
+    first = ensure_tiny_qwen2_audio(tmp_path_factory.mktemp("cache"))
+    assert first.name.startswith("tiny-qwen2-audio-")
+    assert ensure_tiny_qwen2_audio(first.parent) == first
+    assert sorted(p.name for p in first.iterdir()) == [
+        "chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
+        "preprocessor_config.json", "processor_config.json", "tokenizer.json",
+        "tokenizer_config.json"]
+    rebuilt = ensure_tiny_qwen2_audio(tmp_path_factory.mktemp("cache"))
+    assert rebuilt.name == first.name
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (rebuilt / name).read_bytes() == (first / name).read_bytes()
+    config = json.loads((first / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2AudioForConditionalGeneration"]
+    assert config["text_config"]["model_type"] == "qwen2"
+    assert config["audio_config"]["num_mel_bins"] == 128
+    processor = AutoProcessor.from_pretrained(first, local_files_only=True)
+    assert isinstance(processor, Qwen2AudioProcessor)
+    tokenizer = processor.tokenizer
+    audio_id = tokenizer.convert_tokens_to_ids("<|AUDIO|>")
+    assert processor.audio_token == "<|AUDIO|>"
+    assert config["audio_token_index"] == audio_id == processor.audio_token_id
+    assert tokenizer.convert_tokens_to_ids(["<|audio_bos|>", "<|audio_eos|>"]) == [
+        audio_id + 1, audio_id + 2]
+    assert config["text_config"]["vocab_size"] % 64 == 0
+    assert config["text_config"]["vocab_size"] > audio_id + 2 == len(tokenizer) - 1
+    ids = tokenizer("a<|audio_bos|><|AUDIO|><|audio_eos|>b")["input_ids"]
+    assert len(ids) == 5 and tokenizer.decode(ids, skip_special_tokens=True) == "ab"
+    extractor = processor.feature_extractor
+    assert isinstance(extractor, WhisperFeatureExtractor)
+    assert (extractor.feature_size, extractor.sampling_rate, extractor.chunk_length,
+            extractor.n_fft, extractor.hop_length, extractor.nb_max_frames) == (
+        128, 16000, 30, 400, 160, 3000)
+    # the processor expands the template's one <|AUDIO|> into the audio's count: 1 s, 100 frames
+    chat = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "input_audio"}, {"type": "text", "text": "?"}]}],
+        add_generation_prompt=True, tokenize=False)
+    assert "<|audio_bos|><|AUDIO|><|audio_eos|>\n?" in chat
+    out = processor(text=chat, audio=[np.zeros(16000, dtype=np.float32)], sampling_rate=16000,
+                    return_tensors="np")
+    assert out["input_features"].shape == (1, 128, 3000)
+    assert out["feature_attention_mask"].sum() == 100
+    assert (out["input_ids"][0] == audio_id).sum() == 25

@@ -1,6 +1,7 @@
 """Media URLs under the fetch policy (serve_app/media.py), against a local HTTP server: data URLs,
 private addresses refused by default, size and redirect limits, allowed domains, file:// only
-under the allowed folder; images decoded with their pixel count checked first."""
+under the allowed folder; images decoded with their pixel count checked first; audio mixed to
+mono at the model's rate, its duration checked first."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
+import soundfile
 from PIL import Image
 
 from serve_app.errors import APIError
-from serve_app.media import MediaFetcher, MediaPolicy, decode_image
+from serve_app.media import MediaFetcher, MediaPolicy, decode_audio, decode_image
 
 
 def png(width: int = 8, height: int = 8, colour: tuple[int, int, int] = (200, 10, 10)) -> bytes:
@@ -128,3 +131,29 @@ def test_decode_checks_pixels_before_decoding() -> None:
         decode_image(b"not an image", "p", max_pixels=1000)
     assert info.value.param == "p"
     assert decode_image(png(2048, 1024), "p", 1 << 24, detail="low").size == (512, 256)
+
+
+def audio_bytes(seconds: float, rate: int, fmt: str = "WAV", channels: int = 1) -> bytes:
+    t = np.arange(int(seconds * rate)) / rate
+    wave = (0.5 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
+    out = io.BytesIO()
+    soundfile.write(out, np.stack([wave] * channels, axis=1), rate, format=fmt)
+    return out.getvalue()
+
+
+def test_audio_is_mono_at_the_models_rate() -> None:
+    samples = decode_audio(audio_bytes(0.5, 8000, channels=2), "p", 16000, 30)
+    assert samples.dtype == np.float32 and samples.shape == (8000,)
+    # a 440 Hz tone stays one: the resampled signal's spectrum peaks there
+    peak = np.argmax(np.abs(np.fft.rfft(samples))) * 16000 / len(samples)
+    assert abs(peak - 440) < 5
+    mp3 = decode_audio(audio_bytes(1.0, 16000, "MP3"), "p", 16000, 30)
+    assert abs(len(mp3) - 16000) < 2000  # MP3 frames pad the ends
+
+
+def test_bad_or_long_audio_is_refused() -> None:
+    with pytest.raises(APIError, match="more than this model's limit of 30 s") as info:
+        decode_audio(audio_bytes(31, 8000), "messages[0].content[0].input_audio", 16000, 30)
+    assert info.value.param == "messages[0].content[0].input_audio"
+    with pytest.raises(APIError, match="cannot decode the audio"):
+        decode_audio(b"RIFF not really a wave file", "p", 16000, 30)

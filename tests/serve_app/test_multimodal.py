@@ -1,6 +1,7 @@
-"""Images in chat messages, through the real app on the embedded tiny LLaVA and the openai SDK:
-data and HTTP URLs, several images and turns, streaming, n, structured output, the prefix cache
-keyed by image content, /tokenize, and every bad input a 400 naming its part."""
+"""Media in chat messages, through the real app on the embedded tiny LLaVA and tiny Qwen2-Audio
+(one app serving both) and the openai SDK: images by data and HTTP URLs, several images and turns,
+streaming, n, structured output, the prefix cache keyed by content, /tokenize, audio as
+input_audio (wav, mp3) and audio_url, and every bad input a 400 naming its part."""
 
 from __future__ import annotations
 
@@ -14,17 +15,20 @@ from typing import Any
 
 import httpx
 import jsonschema
+import numpy as np
 import pytest
+import soundfile
 from openai import BadRequestError, OpenAI
 from PIL import Image
 
-from replicas.embedded import TINY_LLAVA_MODEL_ID
+from replicas.embedded import TINY_LLAVA_MODEL_ID, TINY_QWEN2_AUDIO_MODEL_ID
 from tests.conftest import running_app
 
-MODEL = TINY_LLAVA_MODEL_ID
-CONFIG = {"models": [{"model": MODEL, "max_model_len": 1024, "kv_cache_gib": 0.05,
-                      "max_num_seqs": 16, "num_threads": 2, "replica_num_cpus": 1.0}],
-          "allow_private_media_urls": True, "limit_mm_per_prompt": {"image": 2}}
+MODEL, AUDIO_MODEL = TINY_LLAVA_MODEL_ID, TINY_QWEN2_AUDIO_MODEL_ID
+SMALL = {"max_model_len": 1024, "kv_cache_gib": 0.05, "max_num_seqs": 16, "num_threads": 1,
+         "replica_num_cpus": 0.5}
+CONFIG = {"models": [{"model": MODEL, **SMALL}, {"model": AUDIO_MODEL, **SMALL}],
+          "allow_private_media_urls": True, "limit_mm_per_prompt": {"image": 2, "audio": 2}}
 
 
 def png(colour: tuple[int, int, int], size: tuple[int, int] = (64, 48)) -> bytes:
@@ -52,9 +56,20 @@ def ask(*parts: dict[str, Any], text: str = "What is in the image?") -> list[dic
     return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
 
 
+def tone(hz: float, seconds: float = 1.0, fmt: str = "WAV", rate: int = 16000) -> bytes:
+    t = np.arange(int(seconds * rate)) / rate
+    out = io.BytesIO()
+    soundfile.write(out, (0.5 * np.sin(2 * np.pi * hz * t)).astype(np.float32), rate,
+                    format=fmt)
+    return out.getvalue()
+
+
+A440, A880 = tone(440), tone(880)
+
+
 class _Images(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802
-        body = {"/red.png": RED, "/blue.png": BLUE}.get(self.path)
+        body = {"/red.png": RED, "/blue.png": BLUE, "/a440.wav": A440}.get(self.path)
         self.send_response(200 if body else 404)
         self.send_header("Content-Length", str(len(body or b"")))
         self.end_headers()
@@ -88,13 +103,14 @@ def greedy(client: OpenAI, messages: list[dict[str, Any]], **kwargs: Any) -> Any
                                           max_tokens=kwargs.pop("max_tokens", 8), **kwargs)
 
 
-def tokenize(base_url: str, messages: list[dict[str, Any]]) -> tuple[int, int]:
-    """(prompt tokens, of which image placeholders)"""
+def tokenize(base_url: str, messages: list[dict[str, Any]], model: str = MODEL,
+             placeholder: str = "<image>") -> tuple[int, int]:
+    """(prompt tokens, of which placeholders)"""
     root = base_url.removesuffix("/v1")
-    r = httpx.post(f"{root}/tokenize", json={"model": MODEL, "messages": messages,
+    r = httpx.post(f"{root}/tokenize", json={"model": model, "messages": messages,
                                              "return_token_strs": True}, timeout=60)
     assert r.status_code == 200, r.text
-    return r.json()["count"], r.json()["token_strs"].count("<image>")
+    return r.json()["count"], r.json()["token_strs"].count(placeholder)
 
 
 def test_an_image_by_data_url_counts_its_placeholder_tokens(client: OpenAI,
@@ -216,6 +232,47 @@ def test_limits_placeholders_and_processor_kwargs(client: OpenAI) -> None:
     r = greedy(client, ask({"type": "file", "file": {"file_data": data_url(RED)}}))
     assert r.usage.prompt_tokens == greedy(client, ask(image_part(data_url(RED)))
                                            ).usage.prompt_tokens
+
+
+def audio_part(data: bytes, fmt: str = "wav") -> dict[str, Any]:
+    return {"type": "input_audio",
+            "input_audio": {"data": base64.b64encode(data).decode(), "format": fmt}}
+
+
+def test_audio_by_input_audio_and_url(client: OpenAI, base_url: str, images_url: str) -> None:
+    messages = ask(audio_part(A440), text="What is this sound?")
+    r = client.chat.completions.create(model=AUDIO_MODEL, messages=messages, temperature=0,
+                                       max_tokens=8, logprobs=True)
+    # one second at 16 kHz: 100 feature frames -> 25 placeholder tokens (Qwen2-Audio's count)
+    assert tokenize(base_url, messages, AUDIO_MODEL, "<|AUDIO|>") == (r.usage.prompt_tokens, 25)
+    by_url = client.chat.completions.create(
+        model=AUDIO_MODEL, temperature=0, max_tokens=8, logprobs=True,
+        messages=ask({"type": "audio_url", "audio_url": {"url": f"{images_url}/a440.wav"}},
+                     text="What is this sound?"))
+    assert by_url.choices[0].message.content == r.choices[0].message.content
+    other = client.chat.completions.create(model=AUDIO_MODEL, temperature=0, max_tokens=1,
+                                           logprobs=True,
+                                           messages=ask(audio_part(A880), text="What is this sound?"))
+    assert (other.choices[0].logprobs.content[0].logprob
+            != pytest.approx(r.choices[0].logprobs.content[0].logprob, abs=1e-5))
+    mp3 = client.chat.completions.create(model=AUDIO_MODEL, max_tokens=4, messages=ask(
+        audio_part(tone(440, 2.0, "MP3"), "mp3")), stream=True)
+    assert any(c.choices and c.choices[0].delta.content for c in mp3)
+    again = client.chat.completions.create(model=AUDIO_MODEL, messages=messages, max_tokens=1)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16
+
+
+def test_audio_model_refuses_images_and_long_audio(client: OpenAI) -> None:
+    with pytest.raises(BadRequestError) as info:
+        client.chat.completions.create(model=AUDIO_MODEL, max_tokens=2,
+                                       messages=ask(image_part(data_url(RED))))
+    assert info.value.body["param"] == "messages[0].content[0]"
+    assert "no image" in info.value.body["message"]
+    with pytest.raises(BadRequestError) as info:
+        client.chat.completions.create(model=AUDIO_MODEL, max_tokens=2,
+                                       messages=ask(audio_part(tone(440, 31, rate=8000))))
+    assert info.value.body["param"] == "messages[0].content[0].input_audio"
+    assert "30 s" in info.value.body["message"]
 
 
 def test_the_server_keeps_serving(client: OpenAI) -> None:

@@ -48,19 +48,20 @@ def test_limits_name_the_first_part_over() -> None:
 
 
 def test_placeholders_expand_to_the_processors_count(media: MediaProcessor) -> None:
-    t = media.image_token_id
+    t = media.tokens["image"][1]
     red, blue = Image.new("RGB", (30, 20), (255, 0, 0)), Image.new("RGB", (90, 70), (0, 0, 255))
-    ids, items = media.process([1, t, 2, 3, t, 4], [red, blue], [], None)
+    refs = [MediaRef("image", "u", "p")] * 2
+    ids, items = media.process([1, t, 2, 3, t, 4], [red, blue], refs, None)
     assert ids == [1] + [t] * 16 + [2, 3] + [t] * 16 + [4]
     assert [(i.offset, i.length) for i in items] == [(1, 16), (19, 16)]
     assert items[0].data["pixel_values"].shape == (3, 56, 56)
     assert items[0].key != items[1].key and len(items[0].key) == 32
-    _, again = media.process([t], [red.copy()], [], None)
+    _, again = media.process([t], [red.copy()], refs[:1], None)
     assert again[0].key == items[0].key  # the content, not the object, is the identity
     with pytest.raises(APIError, match="placeholder"):
-        media.process([1, t, t], [red], [], None)
+        media.process([1, t, t], [red], refs[:1], None)
     with pytest.raises(APIError) as info:
-        media.process([t], [red], [], {"no_such_setting": 1})
+        media.process([t], [red], refs[:1], {"no_such_setting": 1})
     assert info.value.param == "mm_processor_kwargs"
     kept = ids[5:]
     with pytest.raises(APIError, match="cut an image"):
@@ -68,3 +69,27 @@ def test_placeholders_expand_to_the_processors_count(media: MediaProcessor) -> N
     moved = truncate_items(ids, ids[1:], items)
     assert [i.offset for i in moved] == [0, 18]
     assert np.array_equal(moved[1].data["pixel_values"], items[1].data["pixel_values"])
+
+
+def test_audio_parts() -> None:
+    messages = [Message(role="user", content=[
+        {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+        {"type": "audio_url", "audio_url": {"url": "https://example.com/a.mp3"}},
+        {"audio_url": "https://example.com/b.mp3"},
+        {"type": "file", "file": {"file_data": "data:audio/wav;base64,UklGRg=="}}])]
+    refs: list[MediaRef] = []
+    out = chat.to_template_messages(messages, frozenset({"audio"}), refs)
+    assert out[0]["content"] == [{"type": "audio"}] * 4
+    assert [(r.modality, r.url) for r in refs] == [
+        ("audio", "data:audio/wav;base64,UklGRg=="), ("audio", "https://example.com/a.mp3"),
+        ("audio", "https://example.com/b.mp3"), ("audio", "data:audio/wav;base64,UklGRg==")]
+    for part, param in (
+            ({"type": "input_audio", "input_audio": {"data": "AA", "format": "ogg"}},
+             "messages[0].content[0].input_audio.format"),
+            ({"type": "input_audio", "input_audio": "AA"}, "messages[0].content[0].input_audio"),
+            ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}},
+             "messages[0].content[0]")):
+        with pytest.raises(APIError) as info:
+            chat.to_template_messages([Message(role="user", content=[part])],
+                                      frozenset({"audio"}), [])
+        assert info.value.param == param
