@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from replicas import prediction
@@ -89,6 +90,21 @@ def _encoder_slices(seq: Sequence, start: int, end: int) -> tuple[EncoderSlice, 
         if lo < hi:
             out.append(EncoderSlice(item, lo - item.offset, hi - lo, lo - start))
     return tuple(out)
+
+
+def _mrope_positions(seq: Sequence, start: int, end: int) -> np.ndarray | None:
+    """The 3-D positions of tokens [start, end) of a sequence with M-RoPE positions: the
+    prompt's own, then p + delta on every axis."""
+    if seq.mrope is None:
+        return None
+    n_prompt = seq.num_prompt_tokens
+    parts = []
+    if start < n_prompt:
+        parts.append(seq.mrope.prompt[:, start:min(end, n_prompt)])
+    if end > n_prompt:
+        after = np.arange(max(start, n_prompt), end, dtype=np.int64) + seq.mrope.delta
+        parts.append(np.broadcast_to(after, (3, len(after))))
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
 
 
 def _internal_error(what: str, exc: Exception) -> EngineError:
@@ -160,6 +176,9 @@ class Engine:
             if item.offset < 0 or item.length <= 0 or item.offset + item.length > n_prompt:
                 raise EngineError(f"a {item.modality}'s placeholder tokens lie outside the "
                                   "prompt", param="messages")
+        if request.mrope is not None and request.mrope.prompt.shape != (3, n_prompt):
+            raise EngineError("the prompt's 3-D positions do not match its tokens",
+                              param="messages")
         if n_prompt + request.params.max_tokens > self.config.max_model_len:
             raise EngineError(
                 f"This model's maximum context length is {self.config.max_model_len} tokens. "
@@ -188,7 +207,7 @@ class Engine:
                 seq.prompt_logprobs = [None]
             seq.logits_processors = self._build_processors(request)
             seq.prediction = request.prediction
-            seq.mm_items, seq.key_prompt = request.mm_items, key_prompt
+            seq.mm_items, seq.key_prompt, seq.mrope = request.mm_items, key_prompt, request.mrope
             if compiled is not None:
                 seq.guide = compiled.new_guide()
                 seq.guide_active = request.constraint_after is None
@@ -392,7 +411,8 @@ class Engine:
                                  tuple(seq.block_table), s.samples,
                                  (seq.prompt_logprobs is not None
                                   and start < seq.num_prompt_tokens) or bool(seq.proposed),
-                                 _encoder_slices(seq, start, start + s.num_new_tokens)))
+                                 _encoder_slices(seq, start, start + s.num_new_tokens),
+                                 _mrope_positions(seq, start, start + s.num_new_tokens)))
         return StepInput(tuple(rows))
 
     def _account(self, scheduled: list[ScheduledSeq], seconds: float) -> None:

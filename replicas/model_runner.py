@@ -9,7 +9,9 @@ Media items are encoded at most once while they stay in a bounded LRU cache of e
 (keyed by `MultiModalItem.key`): chunked prefill reads an image's rows over several steps, and
 requests sharing an image share its rows. Each step encodes all its missing items in one
 `model.encode` call per modality, batched across rows. Every rank encodes on its own (the
-encoders are replicated); decode steps, the only ones CUDA graphs replay, never carry media."""
+encoders are replicated); decode steps, the only ones CUDA graphs replay, never carry media.
+A model with M-RoPE (`uses_mrope`, Qwen2.5-VL) takes [3, T] positions: each row's `mrope`, or its
+text positions on all three axes where it has none."""
 
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ import dataclasses
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from replicas import host_tensors, kernels
@@ -51,6 +55,9 @@ class RowInput:
     sample: bool  # the row's last token is new: return its logits
     all_logits: bool = False  # return logits of every computed position (prompt logprobs)
     encoder: tuple[EncoderSlice, ...] = ()  # media placeholders among this step's tokens
+    # a model with M-RoPE: the step's tokens' positions, int64 numpy [3, tokens]; None: every
+    # axis counts start, start + 1, ... (text)
+    mrope: Any = None
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,8 @@ class ModelRunner:
                  encoder_cache_rows: int = 16384) -> None:
         self.model = model
         self.multimodal = bool(getattr(model, "modalities", ()))
+        # M-RoPE (Qwen2.5-VL): the model's positions are [3, T], from each row's `mrope`
+        self.uses_mrope = bool(getattr(model, "uses_mrope", False))
         # item key -> its encoder output [rows, hidden] on the device, least recently used first
         self.encoder_cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self.encoder_cache_rows = encoder_cache_rows
@@ -157,8 +166,25 @@ class ModelRunner:
                                  **fields)
         if self.device.type != "cpu":
             meta = _to_device(meta, self.device)
-        return (host_tensors.int64(ids).to(self.device),
-                host_tensors.int64(positions).to(self.device), meta)
+        pos = (self._mrope_positions(step) if self.uses_mrope
+               else host_tensors.int64(positions))
+        return host_tensors.int64(ids).to(self.device), pos.to(self.device), meta
+
+    @staticmethod
+    def _mrope_positions(step: StepInput) -> torch.Tensor:
+        """[3, T] int64: each row's `mrope` where set, else its text positions on all three axes
+        (text tokens, and every token of a prompt without images)."""
+        parts = []
+        for row in step.rows:
+            n = len(row.token_ids)
+            if row.mrope is None:
+                parts.append(np.broadcast_to(np.arange(row.start, row.start + n), (3, n)))
+            elif row.mrope.shape != (3, n):
+                raise ValueError(f"a row's M-RoPE positions must be [3, {n}] for its {n} tokens, "
+                                 f"got {list(row.mrope.shape)}")
+            else:
+                parts.append(row.mrope)
+        return torch.from_numpy(np.concatenate(parts, axis=1).astype(np.int64, copy=False))
 
     def _gather_buffers(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Two flat workspaces of at least `numel` elements, grown (never shrunk) on demand."""

@@ -76,6 +76,15 @@ class MultiModalItem:
     data: dict[str, Any]  # encoder inputs as numpy arrays, e.g. {"pixel_values": [3, H, W]}
 
 
+@dataclass(frozen=True, eq=False)
+class MRopePositions:
+    """Multimodal rotary positions (Qwen2-VL's M-RoPE: temporal, height, width) of a prompt:
+    text tokens advance all three axes together, an image's tokens take their grid coordinates."""
+
+    prompt: Any  # int64 numpy array [3, prompt tokens]
+    delta: int  # a token at index p past the prompt has position p + delta on every axis
+
+
 @dataclass(frozen=True)
 class GenerateRequest:
     request_id: str
@@ -96,6 +105,8 @@ class GenerateRequest:
     prediction: tuple[int, ...] = ()
     # media items whose placeholder tokens the prompt holds, in prompt order
     mm_items: tuple[MultiModalItem, ...] = ()
+    # a model with M-RoPE (model.uses_mrope): the prompt's 3-D positions; None: text positions
+    mrope: MRopePositions | None = None
 
 
 @dataclass(frozen=True)
@@ -186,6 +197,7 @@ class Sequence:
     # media items of the prompt, and the prompt as block keys see it (block_hash.media_key_tokens)
     mm_items: tuple[MultiModalItem, ...] = ()
     key_prompt: list[int] | None = None
+    mrope: MRopePositions | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

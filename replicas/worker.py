@@ -115,8 +115,11 @@ class ShardWorker:
         # the decoder's layers (a multimodal model exposes its decoder's as `layers`)
         head_dim = model.layers[0].self_attn.head_dim
         kv_heads = model.layers[0].self_attn.num_kv_heads
+        # no graphs for M-RoPE models: the graphs capture 1-D positions ([batch]), their rope
+        # takes [3, batch] (and a decode token's three positions are start + delta, not start)
         graphs = (config.cuda_graphs and self.device.type == "cuda" and config.tp_size == 1
-                  and config.max_num_seqs > 0 and config.max_model_len > 0)
+                  and config.max_num_seqs > 0 and config.max_model_len > 0
+                  and not getattr(model, "uses_mrope", False))
         # with graphs, one block past the block manager's takes the padding rows' writes
         blocks = config.num_blocks + (1 if graphs else 0)
         shape = (text_config(hf_config).num_hidden_layers, 2, kv_heads,

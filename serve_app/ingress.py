@@ -492,6 +492,8 @@ class Ingress:
                                               body.mm_processor_kwargs)
         ids = chat.truncate(full, body.truncate_prompt_tokens, limits.max_model_len)
         items = multimodal.truncate_items(full, ids, items)
+        mrope = (multimodal.mrope_positions(len(ids), items, served.media.spatial_merge)
+                 if items and served.media is not None and served.media.uses_mrope else None)
         # bad_words are tokenized here
         params, options = await self.pre.run(sampling.build, body, prompt_len=len(ids),
                                              limits=limits, tokenizer=served.tokenizer, chat=True)
@@ -516,7 +518,7 @@ class Ingress:
             constraint_after = served.tokenizer.convert_tokens_to_ids("</think>")
         gen = GenerateRequest(self._engine_key(rid), tuple(ids), params, constraint, n_gen, body.priority,
                               body.cache_salt, constraint_after, ticket.deadline,
-                              client_id(request), predicted, items)
+                              client_id(request), predicted, items, mrope)
         started = time.monotonic()
         generation = await self._start(served, gen)
         tools = served.tool_format if body.tools and body.tool_choice != "none" else None

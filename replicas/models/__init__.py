@@ -1,7 +1,8 @@
 """Model code on tensor-parallel layers and the paged KV cache. `get_model_class` picks it by the
 HF config's architecture; `text_config` is the config of the part that owns the KV cache (the
 decoder of a multimodal model). A model class's `modalities` says which media its `encode` takes
-(empty for text-only models)."""
+(empty for text-only models); its `uses_mrope` says whether `forward` takes [3, T] positions
+(M-RoPE: temporal, height, width) instead of [T]."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from transformers import PretrainedConfig
 
 from replicas.models.llama import LlamaForCausalLM
 from replicas.models.llava import LlavaForConditionalGeneration
+from replicas.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from replicas.models.qwen2_audio import Qwen2AudioForConditionalGeneration
 
 _ARCHITECTURES: dict[str, type] = {
@@ -18,6 +20,7 @@ _ARCHITECTURES: dict[str, type] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Qwen2AudioForConditionalGeneration": Qwen2AudioForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
 }
 
 

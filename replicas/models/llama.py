@@ -135,6 +135,7 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     modalities: frozenset[str] = frozenset()  # text only: no `encode`
+    uses_mrope = False  # positions are [T] (a multimodal decoder may swap in a rope taking [3, T])
     # checkpoint name fragment -> (our fused parameter, shard index)
     packed_modules = {
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),

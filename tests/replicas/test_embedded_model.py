@@ -14,9 +14,11 @@ from replicas.embedded import (
     EMBEDDED_MODELS,
     PACKAGE_DIR,
     TINY_LLAVA_MODEL_ID,
+    TINY_QWEN2_5_VL_MODEL_ID,
     TINY_QWEN2_AUDIO_MODEL_ID,
     ensure_embedded_model,
     ensure_tiny_llava,
+    ensure_tiny_qwen2_5_vl,
     ensure_tiny_qwen2_audio,
 )
 from replicas.model_files import resolve_model_path
@@ -300,3 +302,52 @@ def test_tiny_qwen2_audio_is_cached_deterministic_and_loads_offline(tmp_path_fac
     assert out["input_features"].shape == (1, 128, 3000)
     assert out["feature_attention_mask"].sum() == 100
     assert (out["input_ids"][0] == audio_id).sum() == 25
+
+
+def test_tiny_qwen2_5_vl_is_cached_deterministic_and_loads_offline(tmp_path_factory) -> None:
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    assert EMBEDDED_MODELS[TINY_QWEN2_5_VL_MODEL_ID] is ensure_tiny_qwen2_5_vl
+    first = ensure_tiny_qwen2_5_vl(tmp_path_factory.mktemp("cache"))
+    assert first.name.startswith("tiny-qwen2.5-vl-")
+    assert ensure_tiny_qwen2_5_vl(first.parent) == first
+    assert sorted(p.name for p in first.iterdir()) == [
+        "chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
+        "preprocessor_config.json", "tokenizer.json", "tokenizer_config.json"]
+    rebuilt = ensure_tiny_qwen2_5_vl(tmp_path_factory.mktemp("cache"))
+    assert rebuilt.name == first.name
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                 "chat_template.jinja"):
+        assert (rebuilt / name).read_bytes() == (first / name).read_bytes()
+    config = json.loads((first / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
+    text, vision = config["text_config"], config["vision_config"]
+    assert text["model_type"] == "qwen2_5_vl_text"
+    assert text["rope_parameters"]["mrope_section"] == [4, 6, 6]  # head_dim 32: 16 pairs
+    assert text["hidden_size"] // text["num_attention_heads"] == 32
+    assert vision["out_hidden_size"] == text["hidden_size"]
+    assert (vision["window_size"], vision["fullatt_block_indexes"]) == (56, [1, 3])
+    tokenizer = AutoTokenizer.from_pretrained(first, local_files_only=True)
+    start, end, image, video = tokenizer.convert_tokens_to_ids(
+        ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
+    assert [start, end, image, video] == list(range(start, start + 4))
+    assert (config["vision_start_token_id"], config["vision_end_token_id"],
+            config["image_token_id"], config["video_token_id"]) == (start, end, image, video)
+    assert text["vocab_size"] % 64 == 0 and text["vocab_size"] > video == len(tokenizer) - 1
+    ids = tokenizer("a<|vision_start|><|image_pad|><|vision_end|>b")["input_ids"]
+    assert len(ids) == 5 and tokenizer.decode(ids, skip_special_tokens=True) == "ab"
+    # the shared template with image parts rendered as Qwen2.5-VL's
+    shared = (PACKAGE_DIR / "chat_template.jinja").read_text()
+    template = (first / "chat_template.jinja").read_text()
+    assert json.loads((first / "tokenizer_config.json").read_text())["chat_template"] == template
+    vl_image = "<|vision_start|><|image_pad|><|vision_end|>"
+    assert template == shared.replace("['<image>']", f"['{vl_image}']") != shared
+    chat = render(tokenizer, [{"role": "user", "content": [
+        {"type": "text", "text": "Two:"}, {"type": "image_url", "image_url": {"url": "x"}},
+        {"type": "image"}, {"type": "text", "text": "Same?"}]}], add_generation_prompt=True)
+    assert chat == (f"<|im_start|>user\nTwo:\n{vl_image}\n{vl_image}\nSame?<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    processor = AutoImageProcessor.from_pretrained(first, local_files_only=True)
+    assert type(processor).__name__.startswith("Qwen2VLImageProcessor")
+    assert (processor.size["shortest_edge"], processor.size["longest_edge"]) == (56 * 56, 112 * 112)
+    assert (processor.patch_size, processor.temporal_patch_size, processor.merge_size) == (14, 2, 2)

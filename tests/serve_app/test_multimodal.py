@@ -21,13 +21,16 @@ import soundfile
 from openai import BadRequestError, OpenAI
 from PIL import Image
 
-from replicas.embedded import TINY_LLAVA_MODEL_ID, TINY_QWEN2_AUDIO_MODEL_ID
+from replicas.embedded import (TINY_LLAVA_MODEL_ID, TINY_QWEN2_5_VL_MODEL_ID,
+                               TINY_QWEN2_AUDIO_MODEL_ID)
 from tests.conftest import running_app
 
-MODEL, AUDIO_MODEL = TINY_LLAVA_MODEL_ID, TINY_QWEN2_AUDIO_MODEL_ID
+MODEL, AUDIO_MODEL, VL_MODEL = (TINY_LLAVA_MODEL_ID, TINY_QWEN2_AUDIO_MODEL_ID,
+                                TINY_QWEN2_5_VL_MODEL_ID)
 SMALL = {"max_model_len": 1024, "kv_cache_gib": 0.05, "max_num_seqs": 16, "num_threads": 1,
          "replica_num_cpus": 0.5}
-CONFIG = {"models": [{"model": MODEL, **SMALL}, {"model": AUDIO_MODEL, **SMALL}],
+CONFIG = {"models": [{"model": MODEL, **SMALL}, {"model": AUDIO_MODEL, **SMALL},
+                     {"model": VL_MODEL, **SMALL}],
           "allow_private_media_urls": True, "limit_mm_per_prompt": {"image": 2, "audio": 2}}
 
 
@@ -99,8 +102,9 @@ def client(base_url: str) -> OpenAI:
 
 
 def greedy(client: OpenAI, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
-    return client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
-                                          max_tokens=kwargs.pop("max_tokens", 8), **kwargs)
+    return client.chat.completions.create(model=kwargs.pop("model", MODEL), messages=messages,
+                                          temperature=0, max_tokens=kwargs.pop("max_tokens", 8),
+                                          **kwargs)
 
 
 def tokenize(base_url: str, messages: list[dict[str, Any]], model: str = MODEL,
@@ -273,6 +277,31 @@ def test_audio_model_refuses_images_and_long_audio(client: OpenAI) -> None:
                                        messages=ask(audio_part(tone(440, 31, rate=8000))))
     assert info.value.body["param"] == "messages[0].content[0].input_audio"
     assert "30 s" in info.value.body["message"]
+
+
+def test_dynamic_resolution_and_3d_positions(client: OpenAI, base_url: str,
+                                              images_url: str) -> None:
+    """Qwen2.5-VL: an image's token count follows its size; M-RoPE positions make the same image
+    give the same answer by data and HTTP URL, after text or beside another image."""
+    small, big = png((200, 0, 0), (56, 56)), png((0, 0, 200), (112, 84))
+
+    def count(*parts: dict[str, Any]) -> tuple[int, int]:
+        return tokenize(base_url, ask(*parts), VL_MODEL, "<|image_pad|>")
+    n_small, n_big = count(image_part(data_url(small)))[1], count(image_part(data_url(big)))[1]
+    assert 0 < n_small < n_big
+    both = ask(image_part(data_url(small)), image_part(data_url(big)))
+    r = greedy(client, both, model=VL_MODEL, max_tokens=12)
+    assert tokenize(base_url, both, VL_MODEL, "<|image_pad|>") == (r.usage.prompt_tokens,
+                                                                   n_small + n_big)
+    by_url = greedy(client, ask(image_part(f"{images_url}/blue.png")), model=VL_MODEL,
+                    max_tokens=12)
+    by_data = greedy(client, ask(image_part(data_url(BLUE))), model=VL_MODEL, max_tokens=12)
+    assert by_url.choices[0].message.content == by_data.choices[0].message.content
+    assert by_data.usage.prompt_tokens_details.cached_tokens >= 16  # the same image again
+    stream = client.chat.completions.create(model=VL_MODEL, messages=both, temperature=0,
+                                            max_tokens=12, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream
+                   if c.choices) == r.choices[0].message.content
 
 
 def test_the_server_keeps_serving(client: OpenAI) -> None:

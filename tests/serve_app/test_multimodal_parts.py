@@ -93,3 +93,40 @@ def test_audio_parts() -> None:
             chat.to_template_messages([Message(role="user", content=[part])],
                                       frozenset({"audio"}), [])
         assert info.value.param == param
+
+
+def test_mrope_positions_are_transformers_and_continue_past_the_prompt() -> None:
+    """The ingress's 3-D positions equal transformers' Qwen2.5-VL `get_rope_index` on the tiny
+    Qwen2.5-VL; the engine continues them past the prompt as p + delta on every axis."""
+    import torch
+    from transformers import AutoConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+
+    from replicas.embedded import TINY_QWEN2_5_VL_MODEL_ID
+    from replicas.engine import _mrope_positions
+    from replicas.request import MultiModalItem, SamplingParams, Sequence
+    from serve_app.multimodal import mrope_positions
+
+    config = AutoConfig.from_pretrained(EMBEDDED_MODELS[TINY_QWEN2_5_VL_MODEL_ID]())
+    merge = config.vision_config.spatial_merge_size
+    grids = [np.array([1, 8, 6]), np.array([1, 4, 4])]
+    counts = [int(g.prod()) // merge**2 for g in grids]
+    pad = config.image_token_id
+    ids = [5, 6] + [pad] * counts[0] + [7, 8, 9] + [pad] * counts[1] + [10]
+    items = (MultiModalItem("image", 2, counts[0], b"a" * 32, {"image_grid_thw": grids[0]}),
+             MultiModalItem("image", 5 + counts[0], counts[1], b"b" * 32,
+                            {"image_grid_thw": grids[1]}))
+    ours = mrope_positions(len(ids), items, merge)
+    with torch.device("meta"):
+        reference = Qwen2_5_VLModel(config)
+    types = torch.tensor([[int(t == pad) for t in ids]])
+    theirs, delta = reference.get_rope_index(torch.tensor([ids]), types,
+                                             image_grid_thw=torch.tensor(np.stack(grids)))
+    assert np.array_equal(ours.prompt, theirs[:, 0].numpy()) and ours.delta == int(delta)
+    seq = Sequence(0, "r", 0, ids + [11, 12], len(ids), SamplingParams(max_tokens=4))
+    seq.mrope = ours
+    step = _mrope_positions(seq, len(ids) - 1, len(ids) + 2)
+    last = ours.prompt[:, -1]
+    assert np.array_equal(step[:, 0], last)
+    assert np.array_equal(step[:, 1:], np.array([[len(ids) + ours.delta,
+                                                  len(ids) + 1 + ours.delta]] * 3))
