@@ -492,8 +492,10 @@ class Ingress:
                                               body.mm_processor_kwargs)
         ids = chat.truncate(full, body.truncate_prompt_tokens, limits.max_model_len)
         items = multimodal.truncate_items(full, ids, items)
-        mrope = (multimodal.mrope_positions(len(ids), items, served.media.spatial_merge)
-                 if items and served.media is not None and served.media.uses_mrope else None)
+        media = served.media
+        mrope = (multimodal.mrope_positions(len(ids), items, media.spatial_merge,
+                                            media.tokens_per_second)
+                 if items and media is not None and media.uses_mrope else None)
         # bad_words are tokenized here
         params, options = await self.pre.run(sampling.build, body, prompt_len=len(ids),
                                              limits=limits, tokenizer=served.tokenizer, chat=True)

@@ -10,8 +10,10 @@ Owns where a media item may come from (vLLM's flags and defaults):
   (DNS rebinding) cannot pass. `--allowed-media-domains` limits the hosts (and their
   subdomains);
 - `file://` URLs, only under `--allowed-local-media-path`.
-Decoding checks an image's size (an audio clip's duration) from its header before decoding it, so a
-small file that expands to a huge image (a decompression bomb) is refused cheaply. Audio (wav, mp3,
+Decoding checks an image's size (an audio clip's or a video's duration) from its header before
+decoding it, so a small file that expands to a huge image (a decompression bomb) is refused
+cheaply. Videos (any container and codec FFmpeg reads, through PyAV) are sampled at a given rate,
+as Qwen2-VL's video processor samples them: only the sampled frames are kept. Audio (wav, mp3,
 flac, ogg: libsndfile through soundfile) is mixed to mono and resampled to the model's rate
 (soxr)."""
 
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import av
 import numpy as np
 import soundfile
 import soxr
@@ -249,3 +252,56 @@ def decode_audio(data: bytes, param: str, sampling_rate: int, max_seconds: float
     if rate != sampling_rate:
         mono = soxr.resample(mono, rate, sampling_rate)
     return np.ascontiguousarray(mono, dtype=np.float32)
+
+
+@dataclass(frozen=True)
+class FrameSampling:
+    """Qwen2-VL's rule: `fps` frames a second, at least `min_frames` and at most `max_frames`,
+    a multiple of `multiple` (the temporal patch)."""
+
+    fps: float = 2.0
+    min_frames: int = 4
+    max_frames: int = 768
+    multiple: int = 2
+    max_seconds: float = 600.0
+
+
+def decode_video(data: bytes, param: str, sampling: FrameSampling, max_pixels: int) -> list[Any]:
+    """Bytes -> the sampled frames as RGB PIL images (blocking: a preprocessing thread)."""
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            if not container.streams.video:
+                raise APIError("the file holds no video stream", param=param)
+            stream = container.streams.video[0]
+            rate = float(stream.average_rate or stream.guessed_rate or 0)
+            seconds = (float(stream.duration * stream.time_base) if stream.duration
+                       else container.duration / av.time_base if container.duration else 0.0)
+            total = stream.frames or round(seconds * rate)
+            if rate <= 0 or total <= 0:
+                raise APIError("the video's frame rate or length is unknown", param=param)
+            if seconds > sampling.max_seconds:
+                raise APIError(f"the video lasts {seconds:.0f} s, more than the server's limit "
+                               f"of {sampling.max_seconds:g} s", param=param)
+            if stream.codec_context.width * stream.codec_context.height > max_pixels:
+                raise APIError("the video's frames have more pixels than the server's limit "
+                               f"of {max_pixels}", param=param)
+            wanted = set(sample_frames(total, rate, sampling))
+            frames = [frame.to_image() for i, frame in enumerate(container.decode(stream))
+                      if i in wanted]
+    except APIError:
+        raise
+    except (av.FFmpegError, OSError, ValueError) as exc:
+        raise APIError(f"cannot decode the video: {type(exc).__name__}: {exc}",
+                       param=param) from None
+    if not frames:
+        raise APIError("the video holds no frames", param=param)
+    return frames
+
+
+def sample_frames(total: int, rate: float, sampling: FrameSampling) -> list[int]:
+    """Indices of the frames to keep, as transformers' Qwen2VLVideoProcessor.sample_frames."""
+    most = max(sampling.multiple,
+               min(sampling.max_frames, total) // sampling.multiple * sampling.multiple)
+    wanted = min(max(total / rate * sampling.fps, sampling.min_frames), most)
+    count = max(sampling.multiple, int(wanted // sampling.multiple * sampling.multiple))
+    return sorted({int(i) for i in np.arange(0, total, total / count)})

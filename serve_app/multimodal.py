@@ -25,7 +25,8 @@ import numpy as np
 
 from replicas.request import MRopePositions, MultiModalItem
 from serve_app.errors import APIError
-from serve_app.media import MediaFetcher, decode_audio, decode_image
+from serve_app import video_patches
+from serve_app.media import FrameSampling, MediaFetcher, decode_audio, decode_image, decode_video
 from serve_app.protocol import ContentPart
 
 logger = logging.getLogger(__name__)
@@ -112,33 +113,50 @@ class MediaProcessor:
     token and the encoder inputs and placeholder count of each item."""
 
     def __init__(self, hf_config: Any, processor: Any = None, image_processor: Any = None,
-                 image_token: tuple[str, int] | None = None) -> None:
+                 image_token: tuple[str, int] | None = None,
+                 token_names: dict[int, str] | None = None) -> None:
         """`processor`: the folder's AutoProcessor; or, where transformers cannot build one here
         (Qwen2-VL's builds a video processor, which needs torchvision), `image_processor` and
         `image_token` (placeholder, id) alone."""
         self.processor = processor
+        self.token_names = token_names or {}
         self.image_processor = getattr(processor, "image_processor", image_processor)
         self.feature_extractor = getattr(processor, "feature_extractor", None)
         self.tokens: dict[str, tuple[str, int]] = {}  # modality -> (placeholder, its id)
         if self.image_processor is not None:
             self.tokens["image"] = image_token or (processor.image_token,
                                                    int(processor.image_token_id))
+        vision = getattr(hf_config, "vision_config", None)
+        self.uses_mrope = hf_config.model_type in MROPE_MODELS
+        self.tokens_per_second = 1.0
+        if self.uses_mrope and getattr(hf_config, "video_token_id", None) is not None:
+            # the Qwen2-VL family: a video is frames through the image processor, paired into
+            # temporal patches (serve_app/video_patches.py)
+            video_id = int(hf_config.video_token_id)
+            self.tokens["video"] = (self.image_processor_token(video_id), video_id)
+            self.tokens_per_second = float(getattr(vision, "tokens_per_second", 1))
+            self.frame_sampling = FrameSampling(
+                multiple=int(self.image_processor.temporal_patch_size))
         if self.feature_extractor is not None:
             self.tokens["audio"] = (processor.audio_token, int(processor.audio_token_id))
             self.sampling_rate = int(self.feature_extractor.sampling_rate)
             # the extractor pads (and would cut) every clip to one window: longer is refused
             self.max_audio_s = float(self.feature_extractor.chunk_length)
         self.modalities = frozenset(self.tokens)
-        vision = getattr(hf_config, "vision_config", None)
         size = getattr(vision, "image_size", None)
         self.image_size: int | None = int(size) if size else None
         # M-RoPE models (the Qwen2-VL family) get the prompt's 3-D positions from here
-        self.uses_mrope = hf_config.model_type in MROPE_MODELS
         self.spatial_merge = int(getattr(vision, "spatial_merge_size", 1) or 1)
         self.settings = {m: set(self._part(m).to_dict()) for m in self.tokens}
 
+    def image_processor_token(self, token_id: int) -> str:
+        tokenizer = getattr(self.processor, "tokenizer", None)
+        if tokenizer is not None:
+            return tokenizer.convert_ids_to_tokens(token_id)
+        return self.token_names.get(token_id, str(token_id))
+
     def _part(self, modality: str) -> Any:
-        return self.image_processor if modality == "image" else self.feature_extractor
+        return self.feature_extractor if modality == "audio" else self.image_processor
 
     @classmethod
     def load(cls, path: Path) -> MediaProcessor | None:
@@ -156,15 +174,20 @@ class MediaProcessor:
         except ImportError:
             # transformers' Qwen2-VL-family processors also build a video processor, which
             # needs torchvision; images need only the image processor and the token
-            token_id = int(hf_config.image_token_id)
-            token = AutoTokenizer.from_pretrained(path).convert_ids_to_tokens(token_id)
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            ids = [int(hf_config.image_token_id)]
+            if getattr(hf_config, "video_token_id", None) is not None:
+                ids.append(int(hf_config.video_token_id))
+            names = {i: tokenizer.convert_ids_to_tokens(i) for i in ids}
             return cls(hf_config, image_processor=AutoImageProcessor.from_pretrained(path),
-                       image_token=(token, token_id))
+                       image_token=(names[ids[0]], ids[0]), token_names=names)
 
     def decode(self, blob: bytes, ref: MediaRef, max_pixels: int) -> Any:
         """An item's bytes -> what its processor takes (blocking: a preprocessing thread)."""
         if ref.modality == "audio":
             return decode_audio(blob, ref.param, self.sampling_rate, self.max_audio_s)
+        if ref.modality == "video":
+            return decode_video(blob, ref.param, self.frame_sampling, max_pixels)
         return decode_image(blob, ref.param, max_pixels, ref.detail)
 
     def _settings(self, modality: str, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -189,6 +212,8 @@ class MediaProcessor:
                     for f, m, n in zip(inputs["input_features"],
                                        inputs["feature_attention_mask"],
                                        inputs["num_audio_tokens"], strict=True)]
+        if modality == "video":
+            return [self._video_inputs(frames, settings) for frames in items]
         out = self.image_processor(items, return_tensors="np", **settings)
         pixels = out["pixel_values"]
         if "image_grid_thw" in out:
@@ -208,6 +233,26 @@ class MediaProcessor:
                            f" x {self.image_size}", param="mm_processor_kwargs")
         return [({"pixel_values": np.ascontiguousarray(p, dtype=np.float32)}, int(n))
                 for p, n in zip(pixels, counts, strict=True)]
+
+    def _video_inputs(self, frames: list[Any],
+                      settings: dict[str, Any]) -> tuple[dict[str, np.ndarray], int]:
+        """One video's sampled frames -> its temporal patches, as Qwen2-VL's video processor
+        makes them: every frame resized and normalised by the image processor (so a frame
+        looks exactly as the same picture sent as an image), frames paired into temporal
+        patches (the last repeated to fill the final one)."""
+        ip = self.image_processor
+        out = ip(frames, return_tensors="np", **settings)
+        patch, merge, temporal = ip.patch_size, ip.merge_size, ip.temporal_patch_size
+        grid = out["image_grid_thw"][0]
+        if any((g != grid).any() for g in out["image_grid_thw"]):
+            raise APIError("the video's frames differ in size", param="messages")
+        video = video_patches.unpatchify(out["pixel_values"], len(frames), grid, patch, merge,
+                                          temporal)
+        pixels, grid_thw = video_patches.patchify(video, patch, merge, temporal)
+        second_per_grid = temporal / self.frame_sampling.fps
+        return ({"pixel_values": pixels, "video_grid_thw": grid_thw,
+                 "second_per_grid": np.array(second_per_grid)},
+                int(np.prod(grid_thw)) // self.spatial_merge ** 2)
 
     def process(self, ids: list[int], media: list[Any], refs: list[MediaRef],
                 kwargs: dict[str, Any] | None) -> tuple[list[int], tuple[MultiModalItem, ...]]:
@@ -249,20 +294,24 @@ class MediaProcessor:
         return out, tuple(items)
 
 
-def mrope_positions(num_tokens: int, items: tuple[MultiModalItem, ...],
-                    spatial_merge: int) -> MRopePositions:
-    """M-RoPE positions of a prompt, as transformers' Qwen2.5-VL `get_rope_index` makes them for
-    images: text tokens count up on all three axes; an image's tokens take (start, start + row,
-    start + column) over its merged grid, and the text after it starts at start + the grid's
-    longer side."""
+def mrope_positions(num_tokens: int, items: tuple[MultiModalItem, ...], spatial_merge: int,
+                    tokens_per_second: float = 1.0) -> MRopePositions:
+    """M-RoPE positions of a prompt, as transformers' Qwen2.5-VL `get_rope_index` makes them:
+    text tokens count up on all three axes; an image's tokens take (start, start + row,
+    start + column) over its merged grid (a video's temporal patches start + k x
+    tokens_per_second x seconds per patch on the first axis), and the text after it starts at
+    start + the grid's longer side."""
     positions = np.empty((3, num_tokens), dtype=np.int64)
     current = prev = 0
     for item in items:
         positions[:, prev:item.offset] = np.arange(current, current + item.offset - prev)
         current += item.offset - prev
-        t, h, w = (int(v) for v in item.data["image_grid_thw"])
-        grid = np.meshgrid(np.arange(t), np.arange(h // spatial_merge),
-                           np.arange(w // spatial_merge), indexing="ij")
+        t, h, w = (int(v) for v in item.data[f"{item.modality}_grid_thw"])
+        interval = (tokens_per_second * float(item.data["second_per_grid"])
+                    if item.modality == "video" else 1.0)
+        grid = np.meshgrid((np.arange(t) * interval).astype(np.int64),
+                           np.arange(h // spatial_merge), np.arange(w // spatial_merge),
+                           indexing="ij")
         end = item.offset + item.length
         positions[:, item.offset:end] = np.stack([g.ravel() for g in grid]) + current
         current += max(h, w) // spatial_merge

@@ -63,6 +63,8 @@ AUDIO_TOKENS = ("<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>")
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 IMAGE_PART = "['<image>']"  # how the shared chat template renders an image part
 QWEN_VL_IMAGE_PART = "['<|vision_start|><|image_pad|><|vision_end|>']"
+VIDEO_PART = "['<video>']"  # how the shared chat template renders a video part
+QWEN_VL_VIDEO_PART = "['<|vision_start|><|video_pad|><|vision_end|>']"
 VOCAB_MULTIPLE = 64  # like real checkpoints, the embedding is padded past the tokenizer's size
 
 # Bump when make_model's output changes for the same arguments, so old cache folders are not reused.
@@ -438,7 +440,8 @@ def make_qwen2_5_vl(folder: Path, *, text: dict[str, Any], mrope_section: list[i
     template = CHAT_TEMPLATE_FILE.read_text(encoding="utf-8")
     if template.count(IMAGE_PART) != 1:
         raise ValueError(f"the shared chat template must render image parts as {IMAGE_PART}")
-    template = template.replace(IMAGE_PART, QWEN_VL_IMAGE_PART)
+    template = template.replace(IMAGE_PART, QWEN_VL_IMAGE_PART).replace(VIDEO_PART,
+                                                                       QWEN_VL_VIDEO_PART)
     tokenizer_config["chat_template"] = template
     # as Qwen2.5-VL ships it: no processor_config.json, the processor class named here
     _write_processor_files(folder, {

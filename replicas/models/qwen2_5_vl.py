@@ -239,7 +239,7 @@ class VisionTransformer(nn.Module):
 
 
 class Qwen2_5_VLForConditionalGeneration(nn.Module):
-    modalities: frozenset[str] = frozenset({"image"})
+    modalities: frozenset[str] = frozenset({"image", "video"})
     uses_mrope = True
 
     def __init__(self, config: PretrainedConfig) -> None:
@@ -282,13 +282,14 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
     def encode(self, modality: str, items: list[dict[str, np.ndarray]]) -> list[torch.Tensor]:
         """Each item's embedding rows [t*h*w / merge^2, text hidden] in the decoder's dtype; all
         items run through the tower as one sequence."""
-        if modality != "image":
-            raise ValueError(f"Qwen2.5-VL encodes images, not {modality!r}")
+        if modality not in self.modalities:
+            raise ValueError(f"Qwen2.5-VL encodes images and videos, not {modality!r}")
         vision = self.config.vision_config
         width = (vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2)
         grids = []
         for item in items:
-            grid = tuple(int(v) for v in np.asarray(item["image_grid_thw"]).reshape(-1))
+            # a video is a grid of t > 1 temporal patches through the same tower
+            grid = tuple(int(v) for v in np.asarray(item[f"{modality}_grid_thw"]).reshape(-1))
             pixels = item["pixel_values"]
             if (len(grid) != 3 or grid[1] % vision.spatial_merge_size
                     or grid[2] % vision.spatial_merge_size

@@ -178,7 +178,7 @@ def test_folder_describes_the_model(folder: Path, tokenizer, images, hf) -> None
     config = transformers.AutoConfig.from_pretrained(folder)
     cls = get_model_class(config)
     assert cls is Qwen2_5_VLForConditionalGeneration
-    assert cls.modalities == frozenset({"image"}) and cls.uses_mrope
+    assert cls.modalities == frozenset({"image", "video"}) and cls.uses_mrope
     assert config.image_token_id == tokenizer.convert_tokens_to_ids("<|image_pad|>")
     assert images.merge_size == config.vision_config.spatial_merge_size == 2
     assert text_config(config).num_hidden_layers == 4
@@ -358,8 +358,26 @@ def test_encode_gives_transformers_image_features(folder: Path, images, hf) -> N
         model.encode("image", [{**data[0], "pixel_values": data[0]["pixel_values"][:40]}])
     with pytest.raises(ValueError, match="patch rows"):
         model.encode("image", [{**data[0], "image_grid_thw": np.array([1, 5, 8])}])
-    with pytest.raises(ValueError, match="encodes images"):
-        model.encode("video", data[:1])
+    with pytest.raises(ValueError, match="encodes images and videos"):
+        model.encode("audio", data[:1])
+
+
+def test_encode_gives_transformers_video_features(folder: Path, hf) -> None:
+    """A video is temporal patches through the same tower: 5 frames (padded to 6: three
+    temporal patches) of changing gradients, beside an image, as transformers encodes them."""
+    from serve_app.video_patches import patchify
+
+    rng = np.random.default_rng(3)
+    frames = rng.normal(size=(5, 3, 56, 84)).astype(np.float32)
+    pixels, grid = patchify(frames, 14, 2, 2)
+    assert grid.tolist() == [3, 4, 6]
+    with torch.no_grad():
+        ref = hf.model.get_video_features(torch.from_numpy(pixels),
+                                          torch.from_numpy(grid[None])).pooler_output[0]
+    model = worker(folder, num_blocks=8).runner.model
+    got = model.encode("video", [{"pixel_values": pixels, "video_grid_thw": grid}])[0]
+    assert got.shape[0] == 3 * 4 * 6 // 4
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
 def _loaded_layout(name: str) -> str:

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import av
 import httpx
 import jsonschema
 import numpy as np
@@ -70,9 +71,29 @@ def tone(hz: float, seconds: float = 1.0, fmt: str = "WAV", rate: int = 16000) -
 A440, A880 = tone(440), tone(880)
 
 
+def clip(frames: int = 12, fps: int = 6, size: tuple[int, int] = (112, 84)) -> bytes:
+    """An MPEG-4 video of a moving gradient."""
+    out = io.BytesIO()
+    with av.open(out, mode="w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = *size, "yuv420p"
+        x = np.arange(size[0])[None, :, None]
+        for i in range(frames):
+            rgb = np.broadcast_to((x * 2 + i * 20) % 256, (size[1], size[0], 3)).astype(np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return out.getvalue()
+
+
+VIDEO = clip()
+
+
 class _Images(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802
-        body = {"/red.png": RED, "/blue.png": BLUE, "/a440.wav": A440}.get(self.path)
+        body = {"/red.png": RED, "/blue.png": BLUE, "/a440.wav": A440,
+                "/clip.mp4": VIDEO}.get(self.path)
         self.send_response(200 if body else 404)
         self.send_header("Content-Length", str(len(body or b"")))
         self.end_headers()
@@ -302,6 +323,26 @@ def test_dynamic_resolution_and_3d_positions(client: OpenAI, base_url: str,
                                             max_tokens=12, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream
                    if c.choices) == r.choices[0].message.content
+
+
+def test_video_by_url_and_data_url(client: OpenAI, base_url: str, images_url: str) -> None:
+    """12 frames at 6 fps, sampled at 2 fps: 4 frames, 2 temporal patches of 112 x 84 px."""
+    by_url = ask({"type": "video_url", "video_url": {"url": f"{images_url}/clip.mp4"}},
+                 text="What happens?")
+    r = greedy(client, by_url, model=VL_MODEL, max_tokens=10)
+    count = tokenize(base_url, by_url, VL_MODEL, "<|video_pad|>")
+    assert count == (r.usage.prompt_tokens, 2 * 6 * 8 // 4)
+    data = "data:video/mp4;base64," + base64.b64encode(VIDEO).decode()
+    same = greedy(client, ask({"video_url": data}, text="What happens?"), model=VL_MODEL,
+                  max_tokens=10)
+    assert same.choices[0].message.content == r.choices[0].message.content
+    both = ask({"video_url": data}, image_part(data_url(RED)))
+    assert greedy(client, both, model=VL_MODEL).usage.prompt_tokens == tokenize(
+        base_url, both, VL_MODEL, "<|video_pad|>")[0]
+    with pytest.raises(BadRequestError) as info:
+        greedy(client, ask({"video_url": "data:video/mp4;base64,AAAA"}), model=VL_MODEL)
+    assert info.value.body["param"] == "messages[0].content[0].video_url"
+    assert "cannot decode the video" in info.value.body["message"]
 
 
 def test_the_server_keeps_serving(client: OpenAI) -> None:

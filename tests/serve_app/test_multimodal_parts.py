@@ -8,6 +8,7 @@ import pytest
 from PIL import Image
 
 from replicas.embedded import TINY_LLAVA_MODEL_ID, EMBEDDED_MODELS
+from replicas.request import MultiModalItem
 from serve_app import chat
 from serve_app.errors import APIError
 from serve_app.multimodal import MediaProcessor, MediaRef, check_limits, truncate_items
@@ -130,3 +131,47 @@ def test_mrope_positions_are_transformers_and_continue_past_the_prompt() -> None
     assert np.array_equal(step[:, 0], last)
     assert np.array_equal(step[:, 1:], np.array([[len(ids) + ours.delta,
                                                   len(ids) + 1 + ours.delta]] * 3))
+
+
+def test_video_frames_become_temporal_patches_as_an_image_would() -> None:
+    """Two identical frames are the image processor's own rows for that picture (an image is
+    its frame twice); five frames make three temporal patches, the last frame repeated; the
+    video's 3-D positions space its temporal patches as transformers' get_rope_index does."""
+    import torch
+    from transformers import AutoConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+
+    from replicas.embedded import TINY_QWEN2_5_VL_MODEL_ID
+    from serve_app.multimodal import mrope_positions
+
+    folder = EMBEDDED_MODELS[TINY_QWEN2_5_VL_MODEL_ID]()
+    media = MediaProcessor.load(folder)
+    assert media is not None and media.modalities == {"image", "video"}
+    rng = np.random.default_rng(0)
+    frame = Image.fromarray(rng.integers(0, 256, (84, 112, 3), dtype=np.uint8))
+    image = media.image_processor([frame], return_tensors="np")
+    (data, count), = [media._video_inputs([frame, frame], {})]
+    assert np.array_equal(data["pixel_values"], image["pixel_values"])
+    assert data["video_grid_thw"].tolist() == image["image_grid_thw"][0].tolist() == [1, 6, 8]
+    assert count == 12
+    frames = [Image.fromarray(rng.integers(0, 256, (84, 112, 3), dtype=np.uint8))
+              for _ in range(5)]
+    (five, count), = [media._video_inputs(frames, {})]
+    assert five["video_grid_thw"].tolist() == [3, 6, 8] and count == 36
+    last = media._video_inputs([frames[4], frames[4]], {})[0]["pixel_values"]
+    assert np.array_equal(five["pixel_values"][-48:], last)
+
+    config = AutoConfig.from_pretrained(folder)
+    video, pad = config.video_token_id, config.image_token_id
+    ids = [5] + [video] * 36 + [6, 7] + [pad] * 12 + [8]
+    items = (MultiModalItem("video", 1, 36, b"v" * 32, five),
+             MultiModalItem("image", 39, 12, b"i" * 32, {"image_grid_thw": np.array([1, 6, 8])}))
+    ours = mrope_positions(len(ids), items, 2, media.tokens_per_second)
+    with torch.device("meta"):
+        reference = Qwen2_5_VLModel(config)
+    types = torch.tensor([[1 if t == pad else 2 if t == video else 0 for t in ids]])
+    theirs, delta = reference.get_rope_index(
+        torch.tensor([ids]), types, image_grid_thw=torch.tensor([[1, 6, 8]]),
+        video_grid_thw=torch.tensor([[3, 6, 8]]),
+        second_per_grid_ts=torch.tensor([float(five["second_per_grid"])]))
+    assert np.array_equal(ours.prompt, theirs[:, 0].numpy()) and ours.delta == int(delta)
