@@ -468,9 +468,12 @@ async def _run(args: argparse.Namespace) -> int:
         f"rate={args.request_rate}, burstiness={args.burstiness}, max_concurrency={args.max_concurrency}"
         + (f", over {num_clients} client processes" if num_clients > 1 else "")
     )
+    encoder_before = _encoder_counters(args.base_url) if args.dataset_name == "random-mm" else None
     run = await run_load(client_config, requests, settings, warmups, num_clients)
 
     print(format_table(run.metrics, args.max_concurrency, args.request_rate, goodput))
+    if encoder_before:
+        print(_encoder_line(encoder_before, _encoder_counters(args.base_url)))
     errors = format_errors(run.outcomes)
     if errors:
         print(errors)
@@ -482,6 +485,37 @@ async def _run(args: argparse.Namespace) -> int:
         )
         print(f"Results written to {args.result_json}")
     return 0
+
+
+_ENCODER_SERIES = ("shardserve:encoder_items_total", "shardserve:encoder_seconds_total",
+                   "shardserve:encoder_cache_hits_total")
+
+
+def _encoder_counters(base_url: str) -> dict[str, float] | None:
+    """The server's encoder counters (shardserve's /metrics, summed over models); None for a
+    server without them."""
+    import httpx
+
+    try:
+        text = httpx.get(f"{base_url.rstrip('/')}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    counters = dict.fromkeys(_ENCODER_SERIES, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0]
+        if name in counters:
+            counters[name] += float(line.rsplit(" ", 1)[1])
+    return counters if any(name in text for name in _ENCODER_SERIES) else None
+
+
+def _encoder_line(before: dict[str, float], after: dict[str, float] | None) -> str:
+    """Encoder time per item over the run (warmups included; /metrics lags by a report)."""
+    if after is None:
+        return "Encoder (server): no counters"
+    items, seconds, hits = (after[k] - before[k] for k in _ENCODER_SERIES)
+    per_item = f"{1e3 * seconds / items:.1f} ms per item" if items else "-"
+    return (f"Encoder (server): {items:.0f} items encoded, {per_item}, "
+            f"{hits:.0f} encoder-cache hits")
 
 
 def run_cli(args: argparse.Namespace) -> int:

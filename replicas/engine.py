@@ -75,6 +75,10 @@ class EngineStats:
     prefill_steps: int = 0
     prefill_step_s: float = 0.0
     forced_tokens: int = 0  # jump-forward: tokens appended without a decode step of their own
+    # media items the encoder ran on, its seconds, and lookups the encoder cache answered
+    encoder_items: int = 0
+    encoder_s: float = 0.0
+    encoder_cache_hits: int = 0
     # requests turned away: the waiting queue was full / not scheduled by their deadline
     rejected_queue_full: int = 0
     rejected_queue_wait: int = 0
@@ -361,7 +365,7 @@ class Engine:
                 out, result = await work
                 self._step_started = None
                 self.last_step_end = time.monotonic()
-                self._account(scheduled, time.perf_counter() - started)
+                self._account(scheduled, time.perf_counter() - started, out)
                 self._postprocess(scheduled, out, sampling, result)
             except Exception as exc:
                 self._step_started = None
@@ -415,7 +419,10 @@ class Engine:
                                  _mrope_positions(seq, start, start + s.num_new_tokens)))
         return StepInput(tuple(rows))
 
-    def _account(self, scheduled: list[ScheduledSeq], seconds: float) -> None:
+    def _account(self, scheduled: list[ScheduledSeq], seconds: float, out: StepOutput) -> None:
+        self.stats.encoder_items += out.encoded
+        self.stats.encoder_s += out.encoder_s
+        self.stats.encoder_cache_hits += out.encoder_hits
         if all(s.num_new_tokens == 1 for s in scheduled):
             self.stats.decode_steps += 1
             self.stats.decode_step_s += seconds

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -70,6 +71,10 @@ class StepOutput:
     logits: torch.Tensor  # [num sampled rows, V] float32, in row order
     # per row asking for all logits: [num tokens, V] float32 (positions start..start+n-1)
     all_logits: tuple[torch.Tensor | None, ...]
+    # media items the step encoded, the seconds that took, and items the encoder cache had
+    encoded: int = 0
+    encoder_s: float = 0.0
+    encoder_hits: int = 0
 
 
 class ModelRunner:
@@ -219,9 +224,10 @@ class ModelRunner:
             if out is not None:
                 return out
         input_ids, positions, meta = self.prepare(step)
+        counts = (0, 0.0, 0)
         if self.multimodal and any(row.encoder for row in step.rows):
-            hidden = self.model(input_ids, positions, self.kv_cache, meta,
-                                embeds=self._embeds(step))
+            embeds, counts = self._embeds(step)
+            hidden = self.model(input_ids, positions, self.kv_cache, meta, embeds=embeds)
         else:
             hidden = self.model(input_ids, positions, self.kv_cache, meta)
         sample_index: list[int] = []
@@ -238,11 +244,14 @@ class ModelRunner:
             None if span is None
             else self.model.compute_logits(hidden[span[0]:span[1]]).float().cpu()
             for span in spans)
-        return StepOutput(logits, all_logits)
+        return StepOutput(logits, all_logits, *counts)
 
-    def _embeds(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor]:
-        """(flat token index, encoder rows) of the step's media placeholders."""
-        outputs = self._encoder_outputs([s.item for row in step.rows for s in row.encoder])
+    def _embeds(self, step: StepInput) -> tuple[tuple[torch.Tensor, torch.Tensor],
+                                                tuple[int, float, int]]:
+        """(flat token index, encoder rows) of the step's media placeholders, and (items
+        encoded, seconds encoding, items the cache had)."""
+        outputs, counts = self._encoder_outputs([s.item for row in step.rows
+                                                 for s in row.encoder])
         index: list[int] = []
         rows: list[torch.Tensor] = []
         offset = 0
@@ -251,11 +260,13 @@ class ModelRunner:
                 index.extend(range(offset + s.offset, offset + s.offset + s.length))
                 rows.append(outputs[s.item.key][s.start:s.start + s.length])
             offset += len(row.token_ids)
-        return host_tensors.int64(index).to(self.device), torch.cat(rows)
+        return (host_tensors.int64(index).to(self.device), torch.cat(rows)), counts
 
-    def _encoder_outputs(self, items: list[MultiModalItem]) -> dict[bytes, torch.Tensor]:
+    def _encoder_outputs(self, items: list[MultiModalItem]
+                         ) -> tuple[dict[bytes, torch.Tensor], tuple[int, float, int]]:
         """Each item's encoder rows by key: cached ones, the others encoded in one call per
-        modality and cached (the least recently used evicted past `encoder_cache_rows`)."""
+        modality and cached (the least recently used evicted past `encoder_cache_rows`); and
+        (items encoded, seconds encoding, items the cache had)."""
         out: dict[bytes, torch.Tensor] = {}
         missing: dict[bytes, MultiModalItem] = {}
         for item in items:
@@ -267,9 +278,11 @@ class ModelRunner:
                 out[item.key] = cached
             else:
                 missing[item.key] = item
+        hits = len(out)
         by_modality: dict[str, list[MultiModalItem]] = {}
         for item in missing.values():
             by_modality.setdefault(item.modality, []).append(item)
+        started = time.perf_counter()
         for modality, todo in by_modality.items():
             encoded = self.model.encode(modality, [item.data for item in todo])
             for item, rows in zip(todo, encoded):
@@ -278,7 +291,9 @@ class ModelRunner:
                                      f"prompt holds {item.length} placeholder tokens for it")
                 out[item.key] = rows
                 self._cache_encoder_output(item.key, rows)
-        return out
+        if missing and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the seconds of the work, not of its launch
+        return out, (len(missing), time.perf_counter() - started if missing else 0.0, hits)
 
     def _cache_encoder_output(self, key: bytes, rows: torch.Tensor) -> None:
         self.encoder_cache[key] = rows

@@ -69,6 +69,14 @@ class Metrics:
                    Gauge(f"shardserve:engine_{kind}_step_seconds_total",
                          f"Seconds of engine steps that {what}", label, registry=r))
             for kind, what in (("decode", "only decode"), ("prefill", "also prefill"))}
+        self.encoder = {
+            key: Gauge(f"shardserve:{name}", what, label, registry=r)
+            for key, name, what in (
+                ("encoder_items", "encoder_items_total",
+                 "Media items (images, audio clips, videos) the engines encoded"),
+                ("encoder_s", "encoder_seconds_total", "Seconds the engines spent encoding"),
+                ("encoder_cache_hits", "encoder_cache_hits_total",
+                 "Media item lookups the encoder caches answered without encoding"))}
         self.stream_messages = Gauge("shardserve:replica_stream_messages_total",
                                      "Messages the replicas streamed to the ingress", label,
                                      registry=r)
@@ -120,6 +128,8 @@ class Metrics:
         for kind, (steps, seconds) in self.step_kinds.items():
             steps.labels(model).set(total(f"{kind}_steps"))
             seconds.labels(model).set(total(f"{kind}_step_s"))
+        for key, gauge in self.encoder.items():
+            gauge.labels(model).set(total(key))
         self.stream_messages.labels(model).set(total("stream_messages"))
         self.core_restarts.labels(model).set(total("core_restarts"))
         combos = collections.Counter((r["dtype"], r.get("isa") or "gpu") for r in reports

@@ -48,6 +48,7 @@ EMBEDDED_MODEL_ID = "shardserve/tiny-llama"
 BENCH_MODEL_ID = "shardserve/bench-135m"
 BENCH_1B_MODEL_ID = "shardserve/bench-1b"
 TINY_LLAVA_MODEL_ID = "shardserve/tiny-llava"
+BENCH_LLAVA_MODEL_ID = "shardserve/bench-llava"
 TINY_QWEN2_AUDIO_MODEL_ID = "shardserve/tiny-qwen2-audio"
 TINY_QWEN2_5_VL_MODEL_ID = "shardserve/tiny-qwen2.5-vl"
 
@@ -123,6 +124,25 @@ TINY_LLAVA: dict[str, Any] = {
     "vision_feature_select_strategy": "default",
     "seed": 0,
     "dtype": "float32",
+}
+# llava-1.5's vision side (CLIP ViT-L/14 at 336 px: 576 image tokens, 23 of its 24 layers read)
+# before bench-135m's decoder, for the encoder benchmarks
+BENCH_LLAVA: dict[str, Any] = {
+    "text": {k: v for k, v in BENCH_135M.items() if k not in ("seed", "dtype")},
+    "vision": {
+        "image_size": 336,
+        "patch_size": 14,
+        "hidden_size": 1024,
+        "intermediate_size": 4096,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 16,
+        "hidden_act": "quick_gelu",
+        "projection_dim": 768,
+    },
+    "vision_feature_layer": -2,
+    "vision_feature_select_strategy": "default",
+    "seed": 0,
+    "dtype": "bfloat16",
 }
 # CLIP's normalization (OpenAI's dataset statistics), as llava-1.5's processor has it
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
@@ -569,8 +589,14 @@ def ensure_smollm2(cache_dir: Path | None = None) -> Path:
                        {"generation_config.json": json.dumps(SMOLLM2_GENERATION, indent=2)})
 
 
+def ensure_bench_llava(cache_dir: Path | None = None) -> Path:
+    """The folder of `shardserve/bench-llava` (llava-1.5's CLIP-L/336 tower before bench-135m's
+    decoder, bfloat16, ~0.44B parameters), built on first use."""
+    return _ensure("bench-llava", BENCH_LLAVA, cache_dir, make_llava)
+
+
 EMBEDDED_MODELS = {DEFAULT_MODEL_ID: ensure_smollm2, EMBEDDED_MODEL_ID: ensure_embedded_model,
                    BENCH_MODEL_ID: ensure_bench_model, BENCH_1B_MODEL_ID: ensure_bench_1b_model,
-                   TINY_LLAVA_MODEL_ID: ensure_tiny_llava,
+                   TINY_LLAVA_MODEL_ID: ensure_tiny_llava, BENCH_LLAVA_MODEL_ID: ensure_bench_llava,
                    TINY_QWEN2_AUDIO_MODEL_ID: ensure_tiny_qwen2_audio,
                    TINY_QWEN2_5_VL_MODEL_ID: ensure_tiny_qwen2_5_vl}

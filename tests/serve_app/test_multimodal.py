@@ -10,6 +10,7 @@ import http.server
 import io
 import json
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -343,6 +344,34 @@ def test_video_by_url_and_data_url(client: OpenAI, base_url: str, images_url: st
         greedy(client, ask({"video_url": "data:video/mp4;base64,AAAA"}), model=VL_MODEL)
     assert info.value.body["param"] == "messages[0].content[0].video_url"
     assert "cannot decode the video" in info.value.body["message"]
+
+
+def test_metrics_count_encoder_work_and_cache_hits(client: OpenAI, base_url: str) -> None:
+    root = base_url.removesuffix("/v1")
+
+    def counters() -> tuple[float, float]:
+        text = httpx.get(f"{root}/metrics", timeout=10).text
+        found = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+                 if line.startswith(("shardserve:encoder_items_total{",
+                                     "shardserve:encoder_cache_hits_total{"))
+                 and f'model_name="{MODEL}"' in line}
+        return (found.get(f'shardserve:encoder_items_total{{model_name="{MODEL}"}}', 0.0),
+                found.get(f'shardserve:encoder_cache_hits_total{{model_name="{MODEL}"}}', 0.0))
+
+    def settled(before: tuple[float, float], items: float, hits: float) -> tuple[float, float]:
+        deadline = time.monotonic() + 15  # /metrics follows the replicas' reports
+        while (now := counters()) != (before[0] + items, before[1] + hits):
+            assert time.monotonic() < deadline, (before, now, items, hits)
+            time.sleep(0.25)
+        return now
+
+    before = counters()
+    fresh = ask(image_part(data_url(png((1, 2, 3)))))
+    greedy(client, fresh, max_tokens=1)
+    after = settled(before, 1, 0)
+    greedy(client, fresh, max_tokens=1)  # the whole prompt but its last token is cached KV
+    greedy(client, ask(image_part(data_url(png((1, 2, 3)))), text="Other words"), max_tokens=1)
+    settled(after, 0, 1)
 
 
 def test_the_server_keeps_serving(client: OpenAI) -> None:
