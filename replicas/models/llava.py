@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from replicas.attention import AttentionMetadata
 from replicas.models.llama import LlamaForCausalLM
+from replicas.models.multimodal import MultimodalModel
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
@@ -173,7 +173,7 @@ class Projector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class LlavaForConditionalGeneration(nn.Module):
+class LlavaForConditionalGeneration(MultimodalModel):
     modalities: frozenset[str] = frozenset({"image"})
 
     def __init__(self, config: PretrainedConfig) -> None:
@@ -201,21 +201,6 @@ class LlavaForConditionalGeneration(nn.Module):
         # LlavaConfig copies the text config's flag up, and transformers ties on the top one
         self.tie_word_embeddings = (bool(getattr(config, "tie_word_embeddings", False))
                                     or self.language_model.tie_word_embeddings)
-
-    @property
-    def layers(self) -> nn.ModuleList:
-        """The decoder's layers (the worker sizes the KV cache from their attention)."""
-        return self.language_model.layers
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata,
-                embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """The decoder's forward; `embeds` (flat token index, rows from `encode`) replace the
-        embeddings of the image placeholder tokens among this step's tokens."""
-        return self.language_model(input_ids, positions, kv_cache, meta, embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
 
     @torch.no_grad()
     def encode(self, modality: str, items: list[dict[str, np.ndarray]]) -> list[torch.Tensor]:

@@ -19,7 +19,6 @@ Python layers and the native CPU layers run unchanged.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -27,10 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from replicas.attention import AttentionMetadata
 from replicas.models.llama import LlamaForCausalLM, RMSNorm
+from replicas.models.multimodal import MultimodalModel
 from replicas.models.llava import _activation
-from replicas.models.rope import RotaryEmbedding, _rope_parameters, apply_rotary
+from replicas.models.rope import RotaryEmbedding, apply_rotary
 
 _DECODERS = ("qwen2_5_vl_text", "qwen2_vl_text", "qwen2")
 _VISION_EPS = 1e-6  # transformers hardcodes the tower's and the merger's RMSNorm eps
@@ -238,7 +237,7 @@ class VisionTransformer(nn.Module):
         return out
 
 
-class Qwen2_5_VLForConditionalGeneration(nn.Module):
+class Qwen2_5_VLForConditionalGeneration(MultimodalModel):
     modalities: frozenset[str] = frozenset({"image", "video"})
     uses_mrope = True
 
@@ -262,21 +261,6 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         # transformers ties on the top config, which takes the text config's flag up
         self.tie_word_embeddings = (bool(getattr(config, "tie_word_embeddings", False))
                                     or bool(getattr(text, "tie_word_embeddings", False)))
-
-    @property
-    def layers(self) -> nn.ModuleList:
-        """The decoder's layers (the worker sizes the KV cache from their attention)."""
-        return self.language_model.layers
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata,
-                embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """The decoder's forward; positions [3, T] (M-RoPE); `embeds` (flat token index, rows
-        from `encode`) replace the embeddings of the image placeholder tokens."""
-        return self.language_model(input_ids, positions, kv_cache, meta, embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
 
     @torch.no_grad()
     def encode(self, modality: str, items: list[dict[str, np.ndarray]]) -> list[torch.Tensor]:

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from replicas.attention import AttentionMetadata
 from replicas.models.llama import LlamaForCausalLM
+from replicas.models.multimodal import MultimodalModel
 from replicas.models.llava import _DECODERS, _activation
 
 
@@ -122,7 +122,7 @@ class Projector(nn.Module):
         return self.linear(x)
 
 
-class Qwen2AudioForConditionalGeneration(nn.Module):
+class Qwen2AudioForConditionalGeneration(MultimodalModel):
     modalities: frozenset[str] = frozenset({"audio"})
 
     def __init__(self, config: PretrainedConfig) -> None:
@@ -137,21 +137,6 @@ class Qwen2AudioForConditionalGeneration(nn.Module):
         # transformers declares no tied weights for Qwen2-Audio: its head is its own tensor
         # (saved and loaded apart from the embeddings) whatever text_config says
         self.tie_word_embeddings = False
-
-    @property
-    def layers(self) -> nn.ModuleList:
-        """The decoder's layers (the worker sizes the KV cache from their attention)."""
-        return self.language_model.layers
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata,
-                embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """The decoder's forward; `embeds` (flat token index, rows from `encode`) replace the
-        embeddings of the audio placeholder tokens among this step's tokens."""
-        return self.language_model(input_ids, positions, kv_cache, meta, embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
 
     @torch.no_grad()
     def encode(self, modality: str, items: list[dict[str, np.ndarray]]) -> list[torch.Tensor]:

@@ -164,7 +164,8 @@ def test_template_renders_media_parts_as_their_placeholders(hf_tokenizer) -> Non
         {"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}},
         {"type": "text", "text": "Same?"}]}])
     audio = "<|audio_bos|><|AUDIO|><|audio_eos|>"
-    assert text == f"<|im_start|>user\n<image>\n<image>\n{audio}\n{audio}\n{audio}\nSame?<|im_end|>\n"
+    assert text == (f"<|im_start|>user\n<image>\n<image>\n{audio}\n{audio}\n{audio}\n<video>\n"
+                    "Same?<|im_end|>\n")
 
 
 def test_template_documents(hf_tokenizer) -> None:
@@ -341,7 +342,9 @@ def test_tiny_qwen2_5_vl_is_cached_deterministic_and_loads_offline(tmp_path_fact
     template = (first / "chat_template.jinja").read_text()
     assert json.loads((first / "tokenizer_config.json").read_text())["chat_template"] == template
     vl_image = "<|vision_start|><|image_pad|><|vision_end|>"
-    assert template == shared.replace("['<image>']", f"['{vl_image}']") != shared
+    vl_video = "<|vision_start|><|video_pad|><|vision_end|>"
+    assert template == shared.replace("['<image>']", f"['{vl_image}']").replace(
+        "['<video>']", f"['{vl_video}']") != shared
     chat = render(tokenizer, [{"role": "user", "content": [
         {"type": "text", "text": "Two:"}, {"type": "image_url", "image_url": {"url": "x"}},
         {"type": "image"}, {"type": "text", "text": "Same?"}]}], add_generation_prompt=True)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import transformers
@@ -16,15 +15,12 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from replicas.embedded import ensure_tiny_llava
-from replicas.model_runner import EncoderSlice, RowInput, StepInput
+from replicas.model_runner import RowInput, StepInput
 from replicas.models import get_model_class, text_config
 from replicas.models.llava import LlavaForConditionalGeneration, image_placeholder
 from replicas.request import MultiModalItem
 from replicas.worker import ShardWorker, WorkerConfig
-
-BLOCK = 4
-TOL = {"atol": 1e-4, "rtol": 1e-4}
-
+from tests.replicas.mm_steps import BLOCK, TOL, count_encodes, gradient, slices, worker
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -40,16 +36,6 @@ def processor(folder: Path):
 def hf(folder: Path) -> transformers.LlavaForConditionalGeneration:
     return transformers.LlavaForConditionalGeneration.from_pretrained(
         folder, dtype=torch.float32, attn_implementation="eager").eval()
-
-
-def gradient(rgb: tuple[int, int, int], size: tuple[int, int],
-             vertical: bool = False) -> Image.Image:
-    """A ramp from black to `rgb`, `size` = (width, height)."""
-    w, h = size
-    ramp = np.linspace(0.0, 1.0, h if vertical else w)
-    ramp = ramp[:, None] if vertical else ramp[None, :]
-    pixels = np.broadcast_to(ramp, (h, w))[..., None] * np.array(rgb, dtype=np.float64)
-    return Image.fromarray(pixels.astype(np.uint8))
 
 
 RED = gradient((255, 40, 0), (80, 64))
@@ -76,36 +62,6 @@ def mm_items(ids: list[int], pixels: torch.Tensor, token_id: int,
         key = hashlib.blake2b(image.tobytes(), digest_size=32).digest()
         items.append(MultiModalItem("image", offset, per_image, key, {"pixel_values": image}))
     return items
-
-
-def slices(items: list[MultiModalItem], start: int, end: int) -> tuple[EncoderSlice, ...]:
-    """The parts of `items` that the tokens [start, end) of a prompt hold."""
-    out = []
-    for item in items:
-        lo, hi = max(start, item.offset), min(end, item.offset + item.length)
-        if lo < hi:
-            out.append(EncoderSlice(item, lo - item.offset, hi - lo, lo - start))
-    return tuple(out)
-
-
-def worker(folder: Path, attention: str = "native", num_blocks: int = 64) -> ShardWorker:
-    w = ShardWorker(WorkerConfig(str(folder), "float32", num_blocks=num_blocks, block_size=BLOCK))
-    if attention == "torch":
-        w.runner.native_decode = w.runner.native_prefill = False
-    return w
-
-
-def count_encodes(w: ShardWorker) -> list[int]:
-    """Wraps the model's `encode`: each call appends how many items it encoded."""
-    calls: list[int] = []
-    encode = w.runner.model.encode
-
-    def counted(modality: str, items: list) -> list[torch.Tensor]:
-        calls.append(len(items))
-        return encode(modality, items)
-
-    w.runner.model.encode = counted
-    return calls
 
 
 def reference(hf, ids: list[int], pixels: torch.Tensor) -> torch.Tensor:

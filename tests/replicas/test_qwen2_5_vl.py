@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from replicas import kernels
 from replicas.embedded import ensure_tiny_qwen2_5_vl
-from replicas.model_runner import EncoderSlice, RowInput, StepInput
+from replicas.model_runner import RowInput, StepInput
 from replicas.models import get_model_class, text_config
 from replicas.models.qwen2_5_vl import (
     MRotaryEmbedding,
@@ -36,9 +36,8 @@ from replicas.models.qwen2_5_vl import (
 from replicas.models.rope import RotaryEmbedding
 from replicas.request import MultiModalItem
 from replicas.worker import ShardWorker, WorkerConfig
+from tests.replicas.mm_steps import BLOCK, TOL, count_encodes, gradient, slices, worker
 
-BLOCK = 4
-TOL = {"atol": 1e-4, "rtol": 1e-4}
 
 
 @pytest.fixture(scope="module")
@@ -60,16 +59,6 @@ def images(folder: Path):
 def hf(folder: Path) -> transformers.Qwen2_5_VLForConditionalGeneration:
     return transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
         folder, dtype=torch.float32, attn_implementation="eager").eval()
-
-
-def gradient(rgb: tuple[int, int, int], size: tuple[int, int],
-             vertical: bool = False) -> Image.Image:
-    """A ramp from black to `rgb`, `size` = (width, height)."""
-    w, h = size
-    ramp = np.linspace(0.0, 1.0, h if vertical else w)
-    ramp = ramp[:, None] if vertical else ramp[None, :]
-    pixels = np.broadcast_to(ramp, (h, w))[..., None] * np.array(rgb, dtype=np.float64)
-    return Image.fromarray(pixels.astype(np.uint8))
 
 
 RED = gradient((255, 40, 0), (112, 84))  # 8 x 6 patches: 12 tokens, in 4 windows
@@ -121,21 +110,12 @@ class Prompt:
             self.mrope, self.delta = None, 0
         self.ids = ids
 
-    def slices(self, start: int, end: int) -> tuple[EncoderSlice, ...]:
-        """The parts of the items that the tokens [start, end) of the prompt hold."""
-        out = []
-        for item in self.items:
-            lo, hi = max(start, item.offset), min(end, item.offset + item.length)
-            if lo < hi:
-                out.append(EncoderSlice(item, lo - item.offset, hi - lo, lo - start))
-        return tuple(out)
-
     def row(self, start: int, end: int, table: tuple[int, ...], all_logits: bool = True,
             sample: bool = True) -> RowInput:
         """The prompt's tokens [start, end) as one step's row."""
         mrope = None if self.mrope is None else self.mrope[:, start:end]
         return RowInput(tuple(self.ids[start:end]), start, table, sample, all_logits,
-                        self.slices(start, end), mrope)
+                        slices(self.items, start, end), mrope)
 
     def decode_row(self, seq: list[int], table: tuple[int, ...]) -> RowInput:
         """The last token of `seq` (the prompt and generated tokens) as a decode row."""
@@ -152,26 +132,6 @@ class Prompt:
                 inputs["mm_token_type_ids"], (0, len(seq) - len(self.ids)))
         with torch.no_grad():
             return hf(input_ids=torch.tensor([seq]), **inputs).logits[0]
-
-
-def worker(folder: Path, attention: str = "native", num_blocks: int = 64) -> ShardWorker:
-    w = ShardWorker(WorkerConfig(str(folder), "float32", num_blocks=num_blocks, block_size=BLOCK))
-    if attention == "torch":
-        w.runner.native_decode = w.runner.native_prefill = False
-    return w
-
-
-def count_encodes(w: ShardWorker) -> list[int]:
-    """Wraps the model's `encode`: each call appends how many items it encoded."""
-    calls: list[int] = []
-    encode = w.runner.model.encode
-
-    def counted(modality: str, items: list) -> list[torch.Tensor]:
-        calls.append(len(items))
-        return encode(modality, items)
-
-    w.runner.model.encode = counted
-    return calls
 
 
 def test_folder_describes_the_model(folder: Path, tokenizer, images, hf) -> None:

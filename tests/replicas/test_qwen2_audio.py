@@ -16,7 +16,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from replicas.embedded import ensure_tiny_qwen2_audio
-from replicas.model_runner import EncoderSlice, RowInput, StepInput
+from replicas.model_runner import RowInput, StepInput
 from replicas.models import get_model_class, text_config
 from replicas.models.qwen2_audio import (
     Qwen2AudioForConditionalGeneration,
@@ -25,9 +25,8 @@ from replicas.models.qwen2_audio import (
 )
 from replicas.request import MultiModalItem
 from replicas.worker import ShardWorker, WorkerConfig
+from tests.replicas.mm_steps import BLOCK, TOL, count_encodes, slices, worker
 
-BLOCK = 4
-TOL = {"atol": 1e-4, "rtol": 1e-4}
 RATE = 16000
 
 
@@ -92,36 +91,6 @@ def mm_items(processor, ids: list[int], audios: list[np.ndarray]) -> list[MultiM
     return items
 
 
-def slices(items: list[MultiModalItem], start: int, end: int) -> tuple[EncoderSlice, ...]:
-    """The parts of `items` that the tokens [start, end) of a prompt hold."""
-    out = []
-    for item in items:
-        lo, hi = max(start, item.offset), min(end, item.offset + item.length)
-        if lo < hi:
-            out.append(EncoderSlice(item, lo - item.offset, hi - lo, lo - start))
-    return tuple(out)
-
-
-def worker(folder: Path, attention: str = "native", num_blocks: int = 96) -> ShardWorker:
-    w = ShardWorker(WorkerConfig(str(folder), "float32", num_blocks=num_blocks, block_size=BLOCK))
-    if attention == "torch":
-        w.runner.native_decode = w.runner.native_prefill = False
-    return w
-
-
-def count_encodes(w: ShardWorker) -> list[int]:
-    """Wraps the model's `encode`: each call appends how many items it encoded."""
-    calls: list[int] = []
-    encode = w.runner.model.encode
-
-    def counted(modality: str, items: list) -> list[torch.Tensor]:
-        calls.append(len(items))
-        return encode(modality, items)
-
-    w.runner.model.encode = counted
-    return calls
-
-
 def reference(hf, ids: list[int], audio: dict) -> torch.Tensor:
     with torch.no_grad():
         return hf(input_ids=torch.tensor([ids]), **audio).logits[0]
@@ -151,7 +120,7 @@ def test_folder_describes_the_model(folder: Path, processor) -> None:
 @pytest.mark.parametrize("attention", ["native", "torch"])
 def test_prefill_and_decode_match_transformers(folder: Path, processor, hf,
                                                attention: str) -> None:
-    w = worker(folder, attention)
+    w = worker(folder, attention, num_blocks=96)
     calls = count_encodes(w)
     # row 0: two audios of different lengths; row 1: one audio and a longer text; together
     clips = [[SHORT, LONG], [OTHER]]
@@ -182,7 +151,7 @@ def test_prefill_and_decode_match_transformers(folder: Path, processor, hf,
 
 
 def test_chunked_prefill_split_inside_an_audio(folder: Path, processor, hf) -> None:
-    w = worker(folder)
+    w = worker(folder, num_blocks=96)
     calls = count_encodes(w)
     ids, audio = prompt(processor, "Describe.", [SHORT, LONG])
     items = mm_items(processor, ids, [SHORT, LONG])
@@ -205,7 +174,7 @@ def test_chunked_prefill_split_inside_an_audio(folder: Path, processor, hf) -> N
 
 
 def test_encoder_cache_reuses_rows_and_audio_matters(folder: Path, processor) -> None:
-    w = worker(folder)
+    w = worker(folder, num_blocks=96)
     calls = count_encodes(w)
 
     def run(clip: np.ndarray, table: tuple[int, ...]) -> torch.Tensor:
