@@ -269,16 +269,21 @@ class ModelRunner:
         (items encoded, seconds encoding, items the cache had)."""
         out: dict[bytes, torch.Tensor] = {}
         missing: dict[bytes, MultiModalItem] = {}
+        hits = 0
         for item in items:
             if item.key in out or item.key in missing:
+                continue
+            given = item.data.get("embeds")
+            if given is not None:  # the client's own encoder rows (--enable-mm-embeds)
+                out[item.key] = torch.from_numpy(given).to(self.device)
                 continue
             cached = self.encoder_cache.get(item.key)
             if cached is not None:
                 self.encoder_cache.move_to_end(item.key)
                 out[item.key] = cached
+                hits += 1
             else:
                 missing[item.key] = item
-        hits = len(out)
         by_modality: dict[str, list[MultiModalItem]] = {}
         for item in missing.values():
             by_modality.setdefault(item.modality, []).append(item)

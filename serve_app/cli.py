@@ -99,6 +99,9 @@ def _serve_parser(sub: Any) -> None:
                    help="fetch media URLs on private, loopback and link-local addresses")
     p.add_argument("--allowed-local-media-path",
                    help="serve file:// media URLs beneath this folder (refused by default)")
+    p.add_argument("--enable-mm-embeds", action="store_true",
+                   help="accept image_embeds / audio_embeds parts (precomputed encoder rows, "
+                        "base64 torch.save'd tensors) in place of media")
     p.add_argument("--media-fetch-timeout-s", type=float,
                    help="the limit of one media URL fetch (default 10)")
     p.add_argument("--ray-address", help="connect to a running cluster instead of starting Ray")
@@ -153,6 +156,8 @@ def config_from_args(args: argparse.Namespace):
         data["trust_request_chat_template"] = True
     if args.allow_private_media_urls:
         data["allow_private_media_urls"] = True
+    if args.enable_mm_embeds:
+        data["enable_mm_embeds"] = True
     for key, value in (("host", args.host), ("port", args.port), ("api_keys", args.api_key),
                        ("api_key_file", args.api_key_file),
                        ("max_queue_wait_s", args.max_queue_wait_s),

@@ -160,6 +160,8 @@ class AppConfig(BaseModel):
     media_fetch_timeout_s: float = Field(10.0, gt=0)
     max_media_bytes: int = Field(20 * 2**20, ge=1024)
     max_image_pixels: int = Field(4096 * 4096, ge=1)
+    # image_embeds / audio_embeds parts (precomputed encoder output) accepted (vLLM's flag)
+    enable_mm_embeds: bool = False
 
     @model_validator(mode="after")
     def _unique_names(self) -> "AppConfig":

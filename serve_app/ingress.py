@@ -477,6 +477,7 @@ class Ingress:
                                "text only", param="mm_processor_kwargs")
             return ids, ()
         multimodal.check_limits(refs, self.config.limit_mm_per_prompt)
+        multimodal.check_embeds(refs, self.config.enable_mm_embeds)
         media = await multimodal.load_media(self.media, served.media, refs,
                                             self.config.max_image_pixels, self.pre.run)
         return await self.pre.run(served.media.process, ids, media, refs, kwargs)

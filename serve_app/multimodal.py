@@ -14,9 +14,13 @@ pixel arrays and runs the encoder."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
+import io
 import json
 import logging
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +59,8 @@ class MediaRef:
     url: str
     param: str  # the part's path, for errors
     detail: str | None = None
+    # image_embeds / audio_embeds: the part's value (base64 tensors) instead of a URL
+    embeds: str | dict[str, Any] | None = None
 
 
 def media_ref(part: ContentPart, param: str, modalities: frozenset[str]) -> MediaRef:
@@ -64,8 +70,14 @@ def media_ref(part: ContentPart, param: str, modalities: frozenset[str]) -> Medi
     value = extra.get(field)
     where = f"{param}.{field}"
     if part.type in ("image_embeds", "audio_embeds"):
-        raise APIError(f"{part.type} parts are not supported: send the {modality} itself; this "
-                       "server computes embeddings with the model's own encoder", param=where)
+        if modality not in modalities:
+            takes = " and ".join(sorted(modalities)) or "text only"
+            raise APIError(f"this model takes no {modality} input (it takes {takes})",
+                           param=param)
+        if not isinstance(value, (str, dict)) or not value:
+            raise APIError(f"{field} must be a base64 torch.save'd tensor, or an object of "
+                           "them", param=where)
+        return MediaRef(modality, "", where, embeds=value)
     if modality == "file":
         data = value.get("file_data") if isinstance(value, dict) else None
         if not isinstance(data, str) or not data.startswith(("data:image/", "data:audio/")):
@@ -96,6 +108,53 @@ def media_ref(part: ContentPart, param: str, modalities: frozenset[str]) -> Medi
     if not isinstance(value, str) or not value:
         raise APIError(f"the part needs {field} as a URL string or {{\"url\": ...}}", param=where)
     return MediaRef(modality, value, where, detail)
+
+
+def check_embeds(refs: list[MediaRef], enabled: bool) -> None:
+    """Embedding parts only where the server allows them (vLLM's --enable-mm-embeds): they skip
+    the encoder, so what they hold is the client's word."""
+    for ref in refs:
+        if ref.embeds is not None and not enabled:
+            raise APIError(f"{ref.param.rsplit('.', 1)[-1]} parts are refused: this server "
+                           "computes embeddings with the model's own encoder unless started "
+                           "with --enable-mm-embeds", param=ref.param)
+
+
+def load_embeds(ref: MediaRef, hidden: int, max_bytes: int) -> dict[str, np.ndarray]:
+    """An embeddings part -> its rows [n, hidden] float32 (and, as a dict part, the other
+    tensors it names, e.g. a Qwen2.5-VL image's image_grid_thw), loaded with torch.load's
+    weights_only unpickler (tensors only; blocking: a preprocessing thread)."""
+    import torch
+
+    field = ref.param.rsplit(".", 1)[-1]
+    parts = ref.embeds if isinstance(ref.embeds, dict) else {field: ref.embeds}
+    out: dict[str, np.ndarray] = {}
+    for name, text in parts.items():
+        where = f"{ref.param}.{name}" if isinstance(ref.embeds, dict) else ref.param
+        if not isinstance(text, str) or len(text) * 3 // 4 > max_bytes:
+            raise APIError(f"{name} must be a base64 string of at most {max_bytes} bytes",
+                           param=where)
+        try:
+            tensor = torch.load(io.BytesIO(base64.b64decode(text, validate=True)),
+                                weights_only=True, map_location="cpu")
+        except (binascii.Error, ValueError, RuntimeError, EOFError, OSError,
+                pickle.UnpicklingError) as exc:
+            raise APIError(f"cannot load {name} as a torch.save'd tensor: "
+                           f"{type(exc).__name__}", param=where) from None
+        if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
+            raise APIError(f"{name} must hold one dense tensor", param=where)
+        out[name] = tensor.numpy(force=True)
+    rows = out.pop(field, None)
+    if rows is None:
+        raise APIError(f"the object needs the embeddings under {field!r}", param=ref.param)
+    if rows.ndim == 3 and rows.shape[0] == 1:  # one item saved with its batch axis
+        rows = rows[0]
+    if rows.ndim != 2 or rows.shape[1] != hidden or not rows.shape[0]:
+        raise APIError(f"{field} must be [tokens, {hidden}] (this model's hidden size), got "
+                       f"{list(rows.shape)}", param=ref.param)
+    if not np.issubdtype(rows.dtype, np.floating) or not np.isfinite(rows).all():
+        raise APIError(f"{field} must hold finite floats", param=ref.param)
+    return {"embeds": np.ascontiguousarray(rows, dtype=np.float32), **out}
 
 
 def check_limits(refs: list[MediaRef], limits: dict[str, int]) -> None:
@@ -147,6 +206,8 @@ class MediaProcessor:
         self.image_size: int | None = int(size) if size else None
         # M-RoPE models (the Qwen2-VL family) get the prompt's 3-D positions from here
         self.spatial_merge = int(getattr(vision, "spatial_merge_size", 1) or 1)
+        text = hf_config.get_text_config(decoder=True)
+        self.hidden_size = int(text.hidden_size)  # what embeddings parts must match
         self.settings = {m: set(self._part(m).to_dict()) for m in self.tokens}
 
     def image_processor_token(self, token_id: int) -> str:
@@ -254,6 +315,28 @@ class MediaProcessor:
                  "second_per_grid": np.array(second_per_grid)},
                 int(np.prod(grid_thw)) // self.spatial_merge ** 2)
 
+    def _embeds_input(self, modality: str, data: dict[str, np.ndarray],
+                      ref: MediaRef) -> tuple[dict[str, np.ndarray], int]:
+        """An embeddings part's rows stand in for the encoder's: as many placeholders as rows
+        (an M-RoPE model's image also needs its image_grid_thw, which fixes that count)."""
+        grid_name = f"{modality}_grid_thw"
+        if self.uses_mrope and modality != "audio":
+            grid = data.get(grid_name)
+            if grid is None or grid.size != 3:
+                raise APIError(f"this model's {modality} embeddings need {grid_name} beside "
+                               f"them ({{\"{modality}_embeds\": ..., \"{grid_name}\": ...}})",
+                               param=ref.param)
+            grid = np.asarray(grid, dtype=np.int64).reshape(3)
+            if int(np.prod(grid)) != len(data["embeds"]) * self.spatial_merge ** 2:
+                raise APIError(f"{grid_name} {grid.tolist()} makes "
+                               f"{int(np.prod(grid)) // self.spatial_merge ** 2} rows, the "
+                               f"embeddings have {len(data['embeds'])}", param=ref.param)
+            data = {**data, grid_name: grid}
+            if modality == "video":
+                data["second_per_grid"] = np.array(
+                    self.image_processor.temporal_patch_size / self.frame_sampling.fps)
+        return data, len(data["embeds"])
+
     def process(self, ids: list[int], media: list[Any], refs: list[MediaRef],
                 kwargs: dict[str, Any] | None) -> tuple[list[int], tuple[MultiModalItem, ...]]:
         """Prompt ids with one placeholder per item -> ids with each expanded, and the items
@@ -271,9 +354,13 @@ class MediaProcessor:
         inputs: dict[str, list[tuple[dict[str, np.ndarray], int]]] = {}
         try:
             for m in self.tokens:
-                mine = [x for x, r in zip(media, refs, strict=True) if r.modality == m]
+                mine = [(x, r) for x, r in zip(media, refs, strict=True) if r.modality == m]
                 settings = self._settings(m, kwargs)
-                inputs[m] = self._encoder_inputs(m, mine, settings) if mine else []
+                encoded = iter(self._encoder_inputs(
+                    m, [x for x, r in mine if r.embeds is None], settings)
+                    if any(r.embeds is None for _, r in mine) else [])
+                inputs[m] = [self._embeds_input(m, x, r) if r.embeds is not None
+                             else next(encoded) for x, r in mine]
         except APIError:
             raise
         except Exception as exc:  # a setting of the wrong type or value
@@ -334,12 +421,15 @@ def content_key(modality: str, data: dict[str, np.ndarray]) -> bytes:
 
 async def load_media(fetcher: MediaFetcher, media: MediaProcessor, refs: list[MediaRef],
                      max_pixels: int, run: Any) -> list[Any]:
-    """Fetches every item at once, decodes each on a preprocessing thread (`run`)."""
+    """Fetches every item at once, decodes each (or loads an embeddings part) on a
+    preprocessing thread (`run`)."""
     import asyncio
 
-    blobs = await asyncio.gather(*(fetcher.load(r.url, r.param) for r in refs))
-    return list(await asyncio.gather(*(run(media.decode, b, r, max_pixels)
-                                       for b, r in zip(blobs, refs, strict=True))))
+    async def one(ref: MediaRef) -> Any:
+        if ref.embeds is not None:
+            return await run(load_embeds, ref, media.hidden_size, fetcher.policy.max_bytes)
+        return await run(media.decode, await fetcher.load(ref.url, ref.param), ref, max_pixels)
+    return list(await asyncio.gather(*(one(r) for r in refs)))
 
 
 def truncate_items(ids: list[int], kept: list[int],

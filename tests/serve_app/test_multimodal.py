@@ -33,7 +33,8 @@ SMALL = {"max_model_len": 1024, "kv_cache_gib": 0.05, "max_num_seqs": 16, "num_t
          "replica_num_cpus": 0.5}
 CONFIG = {"models": [{"model": MODEL, **SMALL}, {"model": AUDIO_MODEL, **SMALL},
                      {"model": VL_MODEL, **SMALL}],
-          "allow_private_media_urls": True, "limit_mm_per_prompt": {"image": 2, "audio": 2}}
+          "allow_private_media_urls": True, "limit_mm_per_prompt": {"image": 2, "audio": 2},
+          "enable_mm_embeds": True}
 
 
 def png(colour: tuple[int, int, int], size: tuple[int, int] = (64, 48)) -> bytes:
@@ -228,7 +229,7 @@ def bad(client: OpenAI, messages: list[dict[str, Any]], **extra: Any) -> dict[st
     ({"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}},
      "messages[0].content[0]", "no video"),
     ({"type": "image_embeds", "image_embeds": "AAAA"}, "messages[0].content[0].image_embeds",
-     "not supported"),
+     "torch.save"),
     ({"type": "image_url", "image_url": {"url": data_url(RED), "detail": "max"}},
      "messages[0].content[0].image_url.detail", "detail"),
     ({"type": "image_url", "image_url": {"url": data_url(RED)}, "uuid": "abc"},
@@ -344,6 +345,36 @@ def test_video_by_url_and_data_url(client: OpenAI, base_url: str, images_url: st
         greedy(client, ask({"video_url": "data:video/mp4;base64,AAAA"}), model=VL_MODEL)
     assert info.value.body["param"] == "messages[0].content[0].video_url"
     assert "cannot decode the video" in info.value.body["message"]
+
+
+def test_image_embeds_stand_in_for_the_image(client: OpenAI) -> None:
+    """The tower's own rows for an image, sent as image_embeds (--enable-mm-embeds), give the
+    answer the image gives; rows of the wrong width are a 400."""
+    import torch
+    import transformers
+
+    from replicas.embedded import EMBEDDED_MODELS
+
+    folder = EMBEDDED_MODELS[MODEL]()
+    processor = transformers.AutoProcessor.from_pretrained(folder)
+    hf = transformers.LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
+    pixels = processor.image_processor([Image.open(io.BytesIO(BLUE))],
+                                       return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        rows = hf.model.get_image_features(pixel_values=pixels).pooler_output[0]
+
+    def b64(tensor: torch.Tensor) -> str:
+        out = io.BytesIO()
+        torch.save(tensor, out)
+        return base64.b64encode(out.getvalue()).decode()
+    by_image = greedy(client, ask(image_part(data_url(BLUE))), max_tokens=12)
+    by_rows = greedy(client, ask({"type": "image_embeds", "image_embeds": b64(rows)}),
+                     max_tokens=12)
+    assert by_rows.choices[0].message.content == by_image.choices[0].message.content
+    assert by_rows.usage.prompt_tokens == by_image.usage.prompt_tokens
+    body = bad(client, ask({"type": "image_embeds", "image_embeds": b64(rows[:, :8])}))
+    assert body["param"] == "messages[0].content[0].image_embeds"
+    assert "hidden size" in body["message"]
 
 
 def test_metrics_count_encoder_work_and_cache_hits(client: OpenAI, base_url: str) -> None:

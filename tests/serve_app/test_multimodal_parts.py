@@ -175,3 +175,35 @@ def test_video_frames_become_temporal_patches_as_an_image_would() -> None:
         video_grid_thw=torch.tensor([[3, 6, 8]]),
         second_per_grid_ts=torch.tensor([float(five["second_per_grid"])]))
     assert np.array_equal(ours.prompt, theirs[:, 0].numpy()) and ours.delta == int(delta)
+
+
+def test_embeddings_parts_need_the_flag_and_the_models_width(media: MediaProcessor) -> None:
+    import base64
+    import io
+
+    import torch
+
+    from serve_app.multimodal import check_embeds, load_embeds
+
+    def b64(value: object) -> str:
+        out = io.BytesIO()
+        torch.save(value, out)
+        return base64.b64encode(out.getvalue()).decode()
+    part = {"type": "image_embeds", "image_embeds": b64(torch.ones(16, 256))}
+    refs: list[MediaRef] = []
+    chat.to_template_messages([Message(role="user", content=[part])], frozenset({"image"}), refs)
+    with pytest.raises(APIError, match="--enable-mm-embeds") as info:
+        check_embeds(refs, enabled=False)
+    assert info.value.param == "messages[0].content[0].image_embeds"
+    check_embeds(refs, enabled=True)
+    data = load_embeds(refs[0], 256, 1 << 20)
+    assert data["embeds"].shape == (16, 256) and data["embeds"].dtype == np.float32
+    t = media.tokens["image"][1]
+    ids, items = media.process([1, t, 2], [data], refs, None)
+    assert ids == [1] + [t] * 16 + [2] and items[0].length == 16
+    for value, words in ((b64(torch.ones(16, 64)), "hidden size"),
+                         (b64({"not": "a tensor"}), "one dense tensor"),
+                         (b64(torch.full((2, 256), float("nan"))), "finite"),
+                         ("bm90IGEgdGVuc29y", "cannot load")):
+        with pytest.raises(APIError, match=words):
+            load_embeds(MediaRef("image", "", "p.image_embeds", embeds=value), 256, 1 << 20)
