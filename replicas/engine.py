@@ -29,7 +29,8 @@ from replicas.executor import Executor
 from structured import bitmask as bitmask_lib
 from replicas.kv_cache import BlockManager
 from replicas.block_hash import media_key_tokens
-from replicas.model_runner import EncoderSlice, RowInput, StepInput, StepOutput
+from replicas.model_runner import (EncoderSlice, RowInput, StepInput, StepOutput,
+                                   encoder_slices)
 from replicas.request import (EngineError, GenerateRequest, Sequence, SequenceStatus, TokenBatch,
                               TokenLogprob)
 from replicas.sampler import SamplerOutput, compute_logprobs, sample
@@ -88,12 +89,7 @@ def _encoder_slices(seq: Sequence, start: int, end: int) -> tuple[EncoderSlice, 
     """The parts of the sequence's media items whose placeholders lie in tokens [start, end)."""
     if not seq.mm_items or start >= seq.num_prompt_tokens:
         return ()
-    out = []
-    for item in seq.mm_items:
-        lo, hi = max(start, item.offset), min(end, item.offset + item.length)
-        if lo < hi:
-            out.append(EncoderSlice(item, lo - item.offset, hi - lo, lo - start))
-    return tuple(out)
+    return encoder_slices(seq.mm_items, start, end)
 
 
 def _mrope_positions(seq: Sequence, start: int, end: int) -> np.ndarray | None:

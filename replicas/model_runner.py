@@ -19,6 +19,7 @@ import dataclasses
 import itertools
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,17 @@ class EncoderSlice:
     start: int
     length: int
     offset: int
+
+
+def encoder_slices(items: Sequence[MultiModalItem], start: int,
+                   end: int) -> tuple[EncoderSlice, ...]:
+    """The parts of a prompt's media `items` whose placeholders lie in its tokens [start, end)."""
+    out = []
+    for item in items:
+        lo, hi = max(start, item.offset), min(end, item.offset + item.length)
+        if lo < hi:
+            out.append(EncoderSlice(item, lo - item.offset, hi - lo, lo - start))
+    return tuple(out)
 
 
 @dataclass(frozen=True)

@@ -235,12 +235,9 @@ class LlavaForConditionalGeneration(MultimodalModel):
         saves the vision tower without `vision_model.`. Decoder names go through the decoder's
         own mapping (fused qkv and gate/up shards)."""
         name = name.removeprefix("model.")
-        if name.startswith("lm_head."):
-            name = "language_model." + name
-        if name.startswith("language_model."):
-            target, shard = self.language_model.checkpoint_name(
-                name.removeprefix("language_model."))
-            return "language_model." + target, shard
+        decoder = self.decoder_name(name)
+        if decoder is not None:
+            return decoder
         if name.startswith("vision_tower."):
             return "vision_tower." + name.removeprefix("vision_tower.").removeprefix(
                 "vision_model."), 0

@@ -35,6 +35,17 @@ class MultimodalModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)
 
+    def decoder_name(self, name: str) -> tuple[str, int] | None:
+        """(our parameter, shard) of a decoder tensor named as in a checkpoint whose decoder
+        sits under `language_model.` (its head under `lm_head.` or
+        `language_model.lm_head.`), through the decoder's own mapping; None for other names."""
+        if name.startswith("lm_head."):
+            name = "language_model." + name
+        if not name.startswith("language_model."):
+            return None
+        target, shard = self.language_model.checkpoint_name(name.removeprefix("language_model."))
+        return "language_model." + target, shard
+
     def encode(self, modality: str, items: list[dict[str, np.ndarray]]) -> list[torch.Tensor]:
         """Each item's embedding rows [placeholder tokens, decoder hidden], in the decoder's
         dtype."""

@@ -168,10 +168,7 @@ class Qwen2AudioForConditionalGeneration(MultimodalModel):
         `language_model.lm_head.weight`, `audio_tower...`, `multi_modal_projector...`). Decoder
         names go through the decoder's own mapping (fused qkv and gate/up shards)."""
         name = name.removeprefix("model.")
-        if name.startswith("lm_head."):
-            name = "language_model." + name
-        if name.startswith("language_model."):
-            target, shard = self.language_model.checkpoint_name(
-                name.removeprefix("language_model."))
-            return "language_model." + target, shard
+        decoder = self.decoder_name(name)
+        if decoder is not None:
+            return decoder
         return name, 0

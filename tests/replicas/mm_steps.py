@@ -1,5 +1,6 @@
 """Shared by the multimodal models' parity tests: images made from a ramp, a worker on a small
-paged cache, the encoder slices of a prompt's tokens, and a count of the model's encode calls."""
+paged cache, the encoder slices of a prompt's tokens (the engine's own function), and a count
+of the model's encode calls."""
 
 from __future__ import annotations
 
@@ -9,8 +10,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from replicas.model_runner import EncoderSlice
-from replicas.request import MultiModalItem
+from replicas.model_runner import encoder_slices as slices  # noqa: F401 (the tests' name)
 from replicas.worker import ShardWorker, WorkerConfig
 
 BLOCK = 4
@@ -25,16 +25,6 @@ def gradient(rgb: tuple[int, int, int], size: tuple[int, int],
     ramp = ramp[:, None] if vertical else ramp[None, :]
     pixels = np.broadcast_to(ramp, (h, w))[..., None] * np.array(rgb, dtype=np.float64)
     return Image.fromarray(pixels.astype(np.uint8))
-
-
-def slices(items: list[MultiModalItem], start: int, end: int) -> tuple[EncoderSlice, ...]:
-    """The parts of `items` that the tokens [start, end) of a prompt hold."""
-    out = []
-    for item in items:
-        lo, hi = max(start, item.offset), min(end, item.offset + item.length)
-        if lo < hi:
-            out.append(EncoderSlice(item, lo - item.offset, hi - lo, lo - start))
-    return tuple(out)
 
 
 def worker(folder: Path, attention: str = "native", num_blocks: int = 64) -> ShardWorker:
