@@ -5,9 +5,9 @@ In float32 the kernel is `linear_mixed` over the weights kept as bf16 (what a bf
 runs on CPUs without bf16 dot products) against torch's float32 F.linear (MKL) over the same
 values; in bf16 it is `linear_bf16` (AVX512-BF16 builds) against torch's bf16 F.linear. Every
 layer of the step is multiplied in turn (each weight from memory, as in a decode step), and the
-kernels' ISA build is the one `SHARDSERVE_ISA` or the CPU selects. The box's float32 peak is
-measured first with a register-only FMA loop of the same build (`kernels.fma_peak_gflops`), and
-each row count's share of it reported."""
+kernels' ISA build is the one `SHARDSERVE_ISA` or the CPU selects. The box's peak is measured
+first with a register-only loop of the same build (`kernels.fma_peak_gflops`: float32 FMAs, or
+in bf16 the `vdpbf16ps` dot products), and each row count's share of it reported."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 raise SystemExit(f"no native {args.dtype} linear on this build ({isa.selected()})")
             layers.append((name, n, k, w, packed))
     flops_per_row = sum(2 * n * k for _, n, k, _, _ in layers)
-    peak = kernels.fma_peak_gflops()
+    peak = kernels.fma_peak_gflops(dtype=dtype)
     weight_bytes = {"native": sum(p.numel() * p.element_size() for *_, p in layers),
                     "torch": sum(w.numel() * w.element_size() for _, _, _, w, _ in layers)}
     rows_out = []
@@ -120,7 +120,8 @@ def _cpu_name() -> str:
 def run_cli(args: argparse.Namespace) -> int:
     result = run(args)
     print(f"{result['model']}: all {result['layers']} layers' projections, {result['dtype']}, "
-          f"ISA {result['isa']}, {result['threads']} threads, {result['cpu']}; float32 FMA "
+          f"ISA {result['isa']}, {result['threads']} threads, {result['cpu']}; "
+          f"{'vdpbf16ps' if result['dtype'] == 'bfloat16' else 'float32 FMA'} "
           f"peak {result['fma_peak_gflops']:.1f} GFLOP/s")
     print(f"{'rows':>6}{'native ms':>11}{'torch ms':>10}{'native GF/s':>13}{'torch GF/s':>12}"
           f"{'native GB/s':>13}{'torch GB/s':>12}{'speedup':>9}{'of peak':>9}")

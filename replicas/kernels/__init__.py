@@ -77,9 +77,16 @@ def _torch_openmp() -> Path | None:
     return lib if lib.exists() else None
 
 
-def _build(compiler: str, level: str) -> Path:
+def _torch_openmp_link() -> list[str]:
+    """Link to the OpenMP runtime torch loads, so that the process has one (two runtimes' thread
+    pools would contend for the cores)."""
     gomp = _torch_openmp()
-    link = [f"-L{gomp.parent}", f"-Wl,-rpath,{gomp.parent}", "-l:libgomp.so.1"] if gomp else []
+    return [f"-L{gomp.parent}", f"-Wl,-rpath,{gomp.parent}", "-l:libgomp.so.1"] if gomp else []
+
+
+def build(compiler: str, level: str, link: list[str]) -> Path:
+    """The library for ISA `level` compiled by `compiler` and linked with `link` (cached). The
+    tests also build the aarch64 levels with a cross compiler and run them under qemu-user."""
     flags = (*_FLAGS, *isa.FLAGS[level])
     sources = [path.read_bytes() for path in _SOURCES + _HEADERS]
     key = hashlib.sha256(b"\0".join([*sources, " ".join(flags + _LINK_FLAGS + tuple(link))
@@ -117,7 +124,7 @@ _SINGLE_SIGNATURES = {
     "linear_q": [_PTR] * 4 + [_I64] * 3 + [_INT], "linear_q_dot_rows": [],
     "linear_q_set_dot_rows": [_INT],
     "llama_layers_bf16": _LAYERS, "llama_layers_f32": _LAYERS, "llama_layers_q": _LAYERS,
-    "fma_peak": [_I64, _INT],
+    "fma_peak": [_I64, _INT], "bf16_dot_peak": [_I64, _INT],
 }
 
 
@@ -129,7 +136,7 @@ def _declare(lib: ctypes.CDLL) -> None:
             fn.argtypes = argtypes
     for name, argtypes in _SINGLE_SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.restype = ctypes.c_double if name == "fma_peak" else ctypes.c_int
+        fn.restype = ctypes.c_double if name.endswith("_peak") else ctypes.c_int
         fn.argtypes = argtypes
 
 
@@ -155,7 +162,7 @@ def _open() -> ctypes.CDLL | None:
         return None
     level = isa.selected()
     try:
-        lib = ctypes.CDLL(str(_build(compiler, level)))
+        lib = ctypes.CDLL(str(build(compiler, level, _torch_openmp_link())))
         _declare(lib)
         if os.environ.get("SHARDSERVE_INT8_ACTIVATIONS", "0") == "1":
             lib.linear_q_set_dot_rows(48)  # decode-sized calls: llama.cpp's 8-bit activations
@@ -213,11 +220,11 @@ def float32_panel() -> int:
     return int(lib.linear_mixed_panel()) if lib is not None else 0
 
 
-def pack_mixed(weight: torch.Tensor) -> torch.Tensor:
-    """float32 weight [N, K] -> bf16 [ceil(N/P), K, P], P this build's panel, zero-padded past N:
-    the layout `linear_mixed` reads (see linear.c)."""
+def pack_mixed(weight: torch.Tensor, panel: int | None = None) -> torch.Tensor:
+    """float32 weight [N, K] -> bf16 [ceil(N/P), K, P], P this build's panel (or `panel`),
+    zero-padded past N: the layout `linear_mixed` reads (see linear.c)."""
     n, k = weight.shape
-    panel = float32_panel()
+    panel = panel or float32_panel()
     padded = weight.new_zeros(-(-n // panel) * panel, k, dtype=torch.bfloat16)
     padded[:n] = weight
     return padded.view(-1, panel, k).transpose(1, 2).contiguous()
@@ -381,16 +388,17 @@ def linear_q(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     return out
 
 
-def fma_peak_gflops(seconds: float = 1.0) -> float:
-    """This build's float32 FMA peak on torch's thread count, GFLOP/s (a register-only loop:
-    the ceiling the linear kernels are measured against)."""
-    fn, threads = _kernel("fma_peak"), torch.get_num_threads()
-    iterations = 1 << 20
+def fma_peak_gflops(seconds: float = 1.0, dtype: torch.dtype = torch.float32) -> float:
+    """This build's peak on torch's thread count, GFLOP/s, from a register-only loop: float32
+    FMAs, or for bf16 AVX512-BF16 dot products (0 on a build without them). The ceiling the
+    linear kernels are measured against."""
+    fn = _kernel("bf16_dot_peak" if dtype == torch.bfloat16 else "fma_peak")
+    threads, iterations = torch.get_num_threads(), 1 << 20
     while True:
         started = time.perf_counter()
         flops = fn(iterations, threads)
         elapsed = time.perf_counter() - started
-        if elapsed >= seconds:
+        if elapsed >= seconds or flops == 0.0:
             return flops / elapsed / 1e9
         iterations *= 2
 

@@ -44,10 +44,13 @@ INLINE void store_row(void *dst, int64_t offset, int dtype, const float *src, in
     }
 }
 
-/* s[j] = exp(s[j] - max s) in place; returns their sum (the softmax's denominator) */
+/* s[j] = exp(s[j] - max s) in place, n >= 1; returns their sum (the softmax's denominator).
+   The maximum starts from s[0], not -INFINITY: under -ffast-math the compiler may assume no
+   infinities, and GCC 12's SVE vectorisation of the max from -INFINITY returned garbage (caught
+   by tests/replicas/test_cross_isa.py under qemu). */
 INLINE float exp_shifted(float *s, int64_t n) {
-    float m = -INFINITY, sum = 0.0f;
-    for (int64_t j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
+    float m = s[0], sum = 0.0f;
+    for (int64_t j = 1; j < n; j++) m = s[j] > m ? s[j] : m;
 #pragma omp simd reduction(+ : sum)
     for (int64_t j = 0; j < n; j++) {
         s[j] = expf(s[j] - m);

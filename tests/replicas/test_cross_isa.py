@@ -1,0 +1,173 @@
+"""The aarch64 builds of the native kernels (`neon`, `sve`), compiled with a cross compiler and run
+under qemu-user on an x86 box, against torch on the host: the ISA levels this machine cannot run
+natively still compute what the x86 ones do. Each call goes through `kernel_call.c` (a small
+aarch64 program that loads the library and calls one function with buffers from files).
+
+Needs `aarch64-linux-gnu-gcc` and `qemu-aarch64` (Debian: gcc-aarch64-linux-gnu, qemu-user);
+skipped where they are missing, and on aarch64 hosts, where the other tests run these levels
+natively. Emulation measures nothing about speed: correctness only."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize as gguf_quantize
+
+from replicas import kernels, quant
+from replicas.models.rope import apply_rotary
+from tests.replicas.test_kernels import BLOCK, _case, _reference
+
+CC, QEMU, SYSROOT = "aarch64-linux-gnu-gcc", "qemu-aarch64", Path("/usr/aarch64-linux-gnu")
+# the CPU qemu emulates for each level: an Armv8.0 core (NEON only), and one with SVE and BF16
+CPUS = {"neon": "cortex-a57", "sve": "max"}
+THREADS = 2  # the kernels' parallel paths, as on the 2-core boxes
+
+pytestmark = pytest.mark.skipif(
+    platform.machine().lower() in ("aarch64", "arm64") or not shutil.which(CC)
+    or not shutil.which(QEMU), reason="needs an x86 host with aarch64-linux-gnu-gcc and qemu-aarch64")
+
+
+class Cross:
+    """One aarch64 build of the kernel library and the program that calls into it."""
+
+    def __init__(self, level: str, lib: Path, driver: Path, work: Path) -> None:
+        self.level, self.lib, self.driver, self.work = level, lib, driver, work
+        self.calls = 0
+
+    def __call__(self, name: str, *args: Any, ret: str = "i") -> tuple[float, list[torch.Tensor]]:
+        """Calls `name` with args (tensors as buffers, None as NULL, ints, floats); returns its
+        return value and every tensor argument as the call left it."""
+        self.calls += 1
+        argv, tensors = [], []
+        for i, arg in enumerate(args):
+            if isinstance(arg, torch.Tensor):
+                path = self.work / f"{self.calls}-{i}.bin"
+                path.write_bytes(arg.contiguous().view(torch.uint8).numpy().tobytes())
+                argv.append(f"b:{path}")
+                tensors.append((path, arg))
+            elif arg is None:
+                argv.append("n")
+            elif isinstance(arg, float):
+                argv.append(f"f:{arg!r}")
+            else:
+                argv.append(f"i:{int(arg)}")
+        done = subprocess.run([QEMU, "-L", str(SYSROOT), "-cpu", CPUS[self.level],
+                               str(self.driver), str(self.lib), name, ret, *argv],
+                              capture_output=True, text=True, timeout=300,
+                              env={"OMP_NUM_THREADS": str(THREADS)})
+        assert done.returncode == 0, done.stderr
+        out = [torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
+               .view(t.dtype).reshape(t.shape) for path, t in tensors]
+        return float(done.stdout), out
+
+
+@pytest.fixture(scope="module", params=list(CPUS))
+def cross(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Cross:
+    level = request.param
+    work = tmp_path_factory.mktemp(f"cross-{level}")
+    lib = kernels.build(CC, level, [])
+    driver = work / "kernel_call"
+    subprocess.run([CC, "-O1", str(Path(__file__).with_name("kernel_call.c")), "-o", str(driver),
+                    "-ldl"], check=True, capture_output=True, timeout=120)
+    return Cross(level, lib, driver, work)
+
+
+def test_the_build_is_for_aarch64_and_runs_fma_loops(cross: Cross) -> None:
+    assert int.from_bytes(cross.lib.read_bytes()[18:20], "little") == 183  # EM_AARCH64
+    flops, _ = cross("fma_peak", 1000, THREADS, ret="d")
+    assert flops == 2 * 4 * 12 * 1000 * THREADS  # 4 float32 lanes, 12 chains, per thread
+    assert cross("linear_bf16_fast")[0] == 0  # bf16 linears are AVX512-BF16's alone
+    assert cross("linear_mixed_panel")[0] == 8  # two 4-lane vectors
+
+
+@pytest.mark.parametrize("rows", [1, 7, 9, 50])
+@pytest.mark.parametrize("n,k", [(13, 70), (40, 96)])
+def test_linear_mixed(cross: Cross, rows: int, n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(rows * n)
+    w = torch.randn(n, k, generator=g).bfloat16().float()
+    x, bias = torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
+    packed = kernels.pack_mixed(w, panel=8)
+    out = torch.empty(rows, n)
+    failed, (*_, got) = cross("linear_mixed", x, packed, bias, out, rows, n, k, THREADS)
+    assert failed == 0
+    torch.testing.assert_close(got, F.linear(x, w, bias), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", [quant.Q4_0, quant.Q4_1, quant.Q8_0], ids=lambda f: f.name)
+@pytest.mark.parametrize("rows", [1, 9, 50])  # a decode row, a tile and a tail, row blocks
+def test_linear_q(cross: Cross, fmt: quant.BlockFormat, rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    n, k = 21, 96  # rows of the weight not a multiple of the panel
+    raw = torch.from_numpy(np.ascontiguousarray(gguf_quantize(
+        torch.randn(n, k, generator=g).numpy(), GGMLQuantizationType(fmt.ggml_type))))
+    x = torch.randn(rows, k, generator=g)
+    out = torch.empty(rows, n)
+    failed, (*_, got) = cross("linear_q", x, quant.pack(raw, fmt, 8), None, out, rows, n, k,
+                              THREADS)
+    assert failed == 0
+    torch.testing.assert_close(got, x @ quant.dequantize(raw, fmt).T, atol=1e-4, rtol=1e-4)
+
+
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+
+
+@pytest.mark.parametrize("suffix", list(DTYPES))
+def test_paged_decode_attention(cross: Cross, suffix: str) -> None:
+    dtype = DTYPES[suffix]
+    q, k_cache, v_cache, tables, lens = _case(dtype, 6, [1, 16, 17, 40, 3])
+    b, h, d = q.shape
+    out = torch.empty_like(q)
+    failed, (*_, got) = cross(f"paged_decode_attention_{suffix}", q, k_cache, v_cache,
+                              tables.long(), lens.long(), out, b, h, k_cache.shape[0], d,
+                              k_cache.shape[1] // BLOCK, BLOCK, tables.shape[1], 0.3, THREADS)
+    assert failed == 0
+    torch.testing.assert_close(got.double(), _reference(q, k_cache, v_cache, tables, lens, 0.3),
+                               atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("suffix", list(DTYPES))
+def test_add_rms_norm_rope_store_and_silu_mul(cross: Cross, suffix: str) -> None:
+    dtype = DTYPES[suffix]
+    g = torch.Generator().manual_seed(5)
+    x, residual = (torch.randn(70, 96, generator=g).to(dtype) for _ in range(2))
+    weight = torch.randn(96, generator=g).to(dtype)
+    out = torch.empty_like(x)
+    _, (_, summed, _, normed) = cross(f"add_rms_norm_{suffix}", x, residual, weight, 1e-6, out,
+                                      70, 96, THREADS)
+    total = (x + residual).float()
+    ref = weight * (total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    assert torch.equal(summed, x + residual)
+    torch.testing.assert_close(normed, ref, atol=1e-5 if dtype == torch.float32 else 0, rtol=0)
+
+    heads, kv_heads, dim, slots, tokens = 6, 2, 64, 256, 37
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, dim, generator=g).to(dtype)
+    angles = torch.rand(tokens, 1, dim // 2, generator=g) * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    slot_mapping = torch.randperm(slots, generator=g)[:tokens]
+    k_cache, v_cache = (torch.randn(kv_heads, slots, dim, generator=g).to(dtype) for _ in "kv")
+    rotated = apply_rotary(qkv[:, :heads + kv_heads], cos, sin)
+    _, (got_qkv, *_, got_k, got_v) = cross(
+        f"rope_store_{suffix}", qkv, cos, sin, slot_mapping, k_cache, v_cache, tokens, heads,
+        kv_heads, dim, slots, THREADS)
+    torch.testing.assert_close(got_qkv[:, :heads + kv_heads], rotated, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got_k[:, slot_mapping], rotated[:, heads:].transpose(0, 1),
+                               atol=1e-6, rtol=1e-6)
+    assert torch.equal(got_v[:, slot_mapping], qkv[:, heads + kv_heads:].transpose(0, 1))
+
+    gated = (torch.randn(9, 2 * 200, generator=g) * 4).to(dtype)
+    out = gated.new_empty(9, 200)
+    _, (_, got) = cross(f"silu_mul_{suffix}", gated, out, 9, 200, THREADS)
+    gate, up = gated.chunk(2, dim=-1)
+    ref = F.silu(gate) * up
+    # as the host's test: exp may differ in the last float32 bit, one bf16 ulp after rounding
+    tol = torch.finfo(dtype).eps * ref.abs().float().clamp_min(1e-30) * 1.01
+    assert ((got - ref).abs().float() <= tol + (1e-6 if dtype == torch.float32 else 0)).all()
