@@ -27,7 +27,9 @@ def server() -> LLMServer:
     server = LLMServer(ReplicaConfig(model=EMBEDDED_MODEL_ID, max_model_len=512,
                                      kv_cache_gib=0.05, max_num_seqs=32,
                                      max_num_batched_tokens=256, block_size=8,
-                                     logits_processors=(NGRAM, FAILS)))
+                                     logits_processors=(NGRAM, FAILS),
+                                     # above the test's own, so that no privilege is needed
+                                     core_niceness=os.getpriority(os.PRIO_PROCESS, 0) + 1))
     yield server
     server.close()
 
@@ -50,6 +52,12 @@ async def test_the_core_runs_in_a_process_of_its_own(server: LLMServer) -> None:
     core = psutil.Process(pid)
     assert core.ppid() == os.getpid()
     assert "EngineCore" in " ".join(core.cmdline())
+    # the configured niceness, in every thread the core has started (OpenMP's team after a step)
+    await _collect(server, GenerateRequest("nice", (5, 6, 7), SamplingParams(max_tokens=2)))
+    wanted = os.getpriority(os.PRIO_PROCESS, 0) + 1
+    threads = [t.id for t in core.threads()]
+    assert len(threads) > 2
+    assert {os.getpriority(os.PRIO_PROCESS, tid) for tid in threads} == {wanted}
 
 
 async def _collect(server: LLMServer, req: GenerateRequest) -> dict[int, list]:
