@@ -93,10 +93,13 @@ class ReplicaConfig:
     # replica that starts the core, at 15, below its own daemons (0). A core at 15 is preempted
     # mid-step by every wake-up of the serving processes beside it, and one preempted OpenMP
     # thread stalls its team at the next barrier: one stream's decode step took 2.15x the same
-    # core's step alone. At 0 the replica front, ingress and /health (still at 15) run in the
-    # core's idle moments instead: TPOT 18.6-21.3 -> 11.9-13.6 ms (benchmarks/RESULTS.md).
-    # Lowering a niceness needs CAP_SYS_NICE or RLIMIT_NICE; without them it stays as it is.
-    core_niceness: int | None = 0
+    # core's step alone. One stream's TPOT on bench-135m, 2 cores, by the core's niceness with
+    # the replicas at 15: 0: 13.0-13.7 ms, 5: 14.2, 10: 14.9-15.2, 15: 17.4-21.3. At 0 the
+    # ingress (at 15) got too little of the cores under load: new streams beside a busy one
+    # were admitted tens of steps late (tests/reliability/test_caps.py). 5 keeps most of the
+    # gain and the ingress's share. Lowering a niceness needs CAP_SYS_NICE or RLIMIT_NICE;
+    # without them it stays as it is (logged).
+    core_niceness: int | None = 5
 
 
 @dataclass(frozen=True)
