@@ -235,7 +235,7 @@ def make_model(
     torch version: the same arguments give bit-identical safetensors.
     """
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch_dtype = getattr(torch, dtype, None)
     if not isinstance(torch_dtype, torch.dtype) or not torch_dtype.is_floating_point:
@@ -243,11 +243,8 @@ def make_model(
     if hidden_size % num_attention_heads or num_attention_heads % num_key_value_heads:
         raise ValueError("hidden_size must divide by num_attention_heads, and that by num_key_value_heads")
 
-    ids = special_token_ids()
     n_tokens = tokenizer_size()
-    vocab_size = math.ceil(n_tokens / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     config = LlamaConfig(
-        vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_hidden_layers,
@@ -255,27 +252,43 @@ def make_model(
         num_key_value_heads=num_key_value_heads,
         head_dim=head_dim or hidden_size // num_attention_heads,
         max_position_embeddings=max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta)},
         rms_norm_eps=rms_norm_eps,
         tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=None,  # Qwen2-style: prompts start without a BOS token
-        eos_token_id=ids[IM_END],
-        pad_token_id=ids[ENDOFTEXT],
         dtype=dtype,
+        **_decoder_fields(n_tokens, rope_theta=float(rope_theta)),
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    _init_weights(model, seed=seed, n_tokens=n_tokens)
-    model.to(torch_dtype)
-    model.generation_config = GenerationConfig(
-        bos_token_id=None,
-        eos_token_id=[ids[IM_END], ids[ENDOFTEXT]],
-        pad_token_id=ids[ENDOFTEXT],
-    )
-    folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder, safe_serialization=True)
+    _save_random(folder, LlamaForCausalLM, config,
+                 seed=seed, n_tokens=n_tokens)
     for name in TOKENIZER_FILES:
         shutil.copyfile(PACKAGE_DIR / name, folder / name)
+
+
+def _decoder_fields(n_tokens: int, **rope: Any) -> dict[str, Any]:
+    """The decoder config fields every embedded model shares: the vocabulary rounded up, default
+    RoPE (`rope` overrides or adds fields), no BOS token (Qwen2-style prompts), and the shipped tokenizer's EOS and padding."""
+    ids = special_token_ids()
+    return {"vocab_size": math.ceil(n_tokens / VOCAB_MULTIPLE) * VOCAB_MULTIPLE,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, **rope},
+            "bos_token_id": None, "eos_token_id": ids[IM_END], "pad_token_id": ids[ENDOFTEXT]}
+
+
+def _save_random(folder: Path, model_class: Any, config: Any, *, seed: int,
+                 n_tokens: int) -> None:
+    """Builds `model_class(config)` with `_init_weights`' seeded weights in the config's dtype and
+    saves it with the generation config every embedded model ships (stop at <|im_end|> or
+    <|endoftext|>) into `folder`."""
+    import torch
+    from transformers import GenerationConfig
+
+    ids = special_token_ids()
+    torch.manual_seed(seed)
+    model = model_class(config)
+    _init_weights(model, seed=seed, n_tokens=n_tokens)
+    model.to(getattr(torch, config.dtype) if isinstance(config.dtype, str) else config.dtype)
+    model.generation_config = GenerationConfig(
+        bos_token_id=None, eos_token_id=[ids[IM_END], ids[ENDOFTEXT]], pad_token_id=ids[ENDOFTEXT])
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
 
 
 def _init_weights(model: Any, *, seed: int, n_tokens: int) -> None:
@@ -321,10 +334,8 @@ def make_llava(folder: Path, *, text: dict[str, Any], vision: dict[str, Any],
     """Writes a random-weight LLaVA checkpoint (a CLIP vision tower, the projector, a Llama
     decoder shaped by `text`) with the shipped tokenizer plus `<image>`, and the processor files
     into `folder`. Deterministic like `make_model`."""
-    import torch
     from transformers import (
         CLIPVisionConfig,
-        GenerationConfig,
         LlamaConfig,
         LlavaConfig,
         LlavaForConditionalGeneration,
@@ -333,12 +344,8 @@ def make_llava(folder: Path, *, text: dict[str, Any], vision: dict[str, Any],
     tokenizer, tokenizer_config = _tokenizer_with([IMAGE_TOKEN])
     image_id = tokenizer.token_to_id(IMAGE_TOKEN)
     n_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
-    ids = special_token_ids()
-    text = {"max_position_embeddings": 4096, "rms_norm_eps": 1e-6, **text}
-    text_config = LlamaConfig(
-        vocab_size=math.ceil(n_tokens / VOCAB_MULTIPLE) * VOCAB_MULTIPLE,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        bos_token_id=None, eos_token_id=ids[IM_END], pad_token_id=ids[ENDOFTEXT], **text)
+    text_config = LlamaConfig(**{"max_position_embeddings": 4096, "rms_norm_eps": 1e-6, **text,
+                                 **_decoder_fields(n_tokens)})
     vision_config = CLIPVisionConfig(**vision)
     patches = (vision_config.image_size // vision_config.patch_size) ** 2
     config = LlavaConfig(
@@ -348,14 +355,7 @@ def make_llava(folder: Path, *, text: dict[str, Any], vision: dict[str, Any],
         vision_feature_layer=vision_feature_layer,
         vision_feature_select_strategy=vision_feature_select_strategy,
         tie_word_embeddings=False, dtype=dtype)
-    torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(config)
-    _init_weights(model, seed=seed, n_tokens=n_tokens)
-    model.to(getattr(torch, dtype))
-    model.generation_config = GenerationConfig(
-        bos_token_id=None, eos_token_id=[ids[IM_END], ids[ENDOFTEXT]], pad_token_id=ids[ENDOFTEXT])
-    folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder, safe_serialization=True)
+    _save_random(folder, LlavaForConditionalGeneration, config, seed=seed, n_tokens=n_tokens)
     # tokenizers' own save() is compact and key-ordered, so rebuilds give identical files
     (folder / "tokenizer.json").write_text(tokenizer.to_str(pretty=False) + "\n", encoding="utf-8")
     crop = vision_config.image_size
@@ -380,9 +380,7 @@ def make_qwen2_audio(folder: Path, *, text: dict[str, Any], audio: dict[str, Any
     """Writes a random-weight Qwen2-Audio checkpoint (a Whisper-style encoder, the projector, a
     Qwen2 decoder shaped by `text`) with the shipped tokenizer plus Qwen2-Audio's three audio
     tokens, and the processor files into `folder`. Deterministic like `make_model`."""
-    import torch
     from transformers import (
-        GenerationConfig,
         Qwen2AudioConfig,
         Qwen2AudioEncoderConfig,
         Qwen2AudioForConditionalGeneration,
@@ -391,23 +389,13 @@ def make_qwen2_audio(folder: Path, *, text: dict[str, Any], audio: dict[str, Any
 
     tokenizer, tokenizer_config = _tokenizer_with(list(AUDIO_TOKENS))
     n_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
-    ids = special_token_ids()
-    text = {"max_position_embeddings": 4096, "rms_norm_eps": 1e-6, **text}
-    text_config = Qwen2Config(
-        vocab_size=math.ceil(n_tokens / VOCAB_MULTIPLE) * VOCAB_MULTIPLE,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        bos_token_id=None, eos_token_id=ids[IM_END], pad_token_id=ids[ENDOFTEXT], **text)
+    text_config = Qwen2Config(**{"max_position_embeddings": 4096, "rms_norm_eps": 1e-6, **text,
+                                 **_decoder_fields(n_tokens)})
     config = Qwen2AudioConfig(
         audio_config=Qwen2AudioEncoderConfig(**audio), text_config=text_config,
         audio_token_index=tokenizer.token_to_id(AUDIO_TOKENS[0]), dtype=dtype)
-    torch.manual_seed(seed)
-    model = Qwen2AudioForConditionalGeneration(config)
-    _init_weights(model, seed=seed, n_tokens=n_tokens)
-    model.to(getattr(torch, dtype))
-    model.generation_config = GenerationConfig(
-        bos_token_id=None, eos_token_id=[ids[IM_END], ids[ENDOFTEXT]], pad_token_id=ids[ENDOFTEXT])
-    folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder, safe_serialization=True)
+    _save_random(folder, Qwen2AudioForConditionalGeneration, config, seed=seed,
+                 n_tokens=n_tokens)
     (folder / "tokenizer.json").write_text(tokenizer.to_str(pretty=False) + "\n", encoding="utf-8")
     audio_token, bos, eos = AUDIO_TOKENS
     _write_processor_files(folder, {
@@ -426,9 +414,7 @@ def make_qwen2_5_vl(folder: Path, *, text: dict[str, Any], mrope_section: list[i
     Qwen2 decoder shaped by `text` with M-RoPE) with the shipped tokenizer plus Qwen2.5-VL's
     vision tokens, the image processor's file and the chat template rendering image parts as
     Qwen2.5-VL does into `folder`. Deterministic like `make_model`."""
-    import torch
     from transformers import (
-        GenerationConfig,
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
     )
@@ -436,26 +422,15 @@ def make_qwen2_5_vl(folder: Path, *, text: dict[str, Any], mrope_section: list[i
     tokenizer, tokenizer_config = _tokenizer_with(list(VISION_TOKENS))
     start, end, image, video = (tokenizer.token_to_id(t) for t in VISION_TOKENS)
     n_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
-    ids = special_token_ids()
-    text_config = {
-        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, **text,
-        "vocab_size": math.ceil(n_tokens / VOCAB_MULTIPLE) * VOCAB_MULTIPLE,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                            "mrope_section": list(mrope_section)},
-        "bos_token_id": None, "eos_token_id": ids[IM_END], "pad_token_id": ids[ENDOFTEXT]}
+    text_config = {"max_position_embeddings": 4096, "rms_norm_eps": 1e-6, **text,
+                   **_decoder_fields(n_tokens, mrope_section=list(mrope_section))}
     config = Qwen2_5_VLConfig(
         text_config=text_config,
         vision_config={**vision, "out_hidden_size": text["hidden_size"]},
         image_token_id=image, video_token_id=video, vision_start_token_id=start,
         vision_end_token_id=end, tie_word_embeddings=False, dtype=dtype)
-    torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config)
-    _init_weights(model, seed=seed, n_tokens=n_tokens)
-    model.to(getattr(torch, dtype))
-    model.generation_config = GenerationConfig(
-        bos_token_id=None, eos_token_id=[ids[IM_END], ids[ENDOFTEXT]], pad_token_id=ids[ENDOFTEXT])
-    folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder, safe_serialization=True)
+    _save_random(folder, Qwen2_5_VLForConditionalGeneration, config, seed=seed,
+                 n_tokens=n_tokens)
     (folder / "tokenizer.json").write_text(tokenizer.to_str(pretty=False) + "\n", encoding="utf-8")
     template = CHAT_TEMPLATE_FILE.read_text(encoding="utf-8")
     if template.count(IMAGE_PART) != 1:
