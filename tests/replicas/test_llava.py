@@ -12,7 +12,6 @@ import pytest
 import torch
 import transformers
 from PIL import Image
-from safetensors.torch import load_file, save_file
 
 from replicas.embedded import ensure_tiny_llava
 from replicas.model_runner import RowInput, StepInput
@@ -20,7 +19,17 @@ from replicas.models import get_model_class, text_config
 from replicas.models.llava import LlavaForConditionalGeneration, image_placeholder
 from replicas.request import MultiModalItem
 from replicas.worker import ShardWorker, WorkerConfig
-from tests.replicas.mm_steps import BLOCK, TOL, count_encodes, gradient, slices, worker
+from tests.replicas.mm_steps import (
+    BLOCK,
+    TOL,
+    assert_checkpoint_names,
+    assert_same_logits,
+    count_encodes,
+    gradient,
+    resave_renamed,
+    slices,
+    worker,
+)
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -177,7 +186,6 @@ def _hf_layout(name: str) -> str:
 
 def test_checkpoint_names_of_both_layouts(folder: Path) -> None:
     model = LlavaForConditionalGeneration(transformers.AutoConfig.from_pretrained(folder))
-    params = dict(model.named_parameters())
     new = {  # transformers >= 4.52
         "model.language_model.layers.0.self_attn.q_proj.weight":
             ("language_model.layers.0.self_attn.qkv_proj.weight", 0),
@@ -203,9 +211,7 @@ def test_checkpoint_names_of_both_layouts(folder: Path) -> None:
             ("vision_tower.encoder.layers.0.mlp.fc1.weight", 0),
         "multi_modal_projector.linear_2.bias": ("multi_modal_projector.linear_2.bias", 0),
     }
-    for name, expected in {**new, **old}.items():
-        assert model.checkpoint_name(name) == expected, name
-        assert expected[0] in params
+    params = assert_checkpoint_names(model, {**new, **old})
     # only the layers the features read are built: layer 1 of 2 and the post-layernorm are not
     assert "vision_tower.encoder.layers.1.mlp.fc1.weight" not in params
     assert model.checkpoint_name("vision_tower.post_layernorm.weight")[0] not in params
@@ -213,17 +219,13 @@ def test_checkpoint_names_of_both_layouts(folder: Path) -> None:
 
 def test_loads_the_newer_layout_to_the_same_logits(folder: Path, processor,
                                                    tmp_path: Path) -> None:
-    for name in ("config.json", "generation_config.json"):
-        (tmp_path / name).write_bytes((folder / name).read_bytes())
-    tensors = load_file(folder / "model.safetensors")
+    tensors = resave_renamed(folder, tmp_path, _hf_layout)
     assert any(n.startswith("language_model.model.") for n in tensors)  # transformers 5's save
-    save_file({_hf_layout(n): t for n, t in tensors.items()}, tmp_path / "model.safetensors")
     place = image_placeholder(transformers.AutoConfig.from_pretrained(folder))
     ids, px = prompt(processor, "Same?", [BLUE])
-    row = RowInput(tuple(ids), 0, tuple(range(10)), True, False,
-                   slices(mm_items(ids, px, place.token_id, place.tokens), 0, len(ids)))
-    a, b = (worker(f).execute(StepInput((row,))).logits for f in (folder, tmp_path))
-    assert torch.equal(a, b)
+    assert_same_logits(folder, tmp_path, RowInput(
+        tuple(ids), 0, tuple(range(10)), True, False,
+        slices(mm_items(ids, px, place.token_id, place.tokens), 0, len(ids))))
 
 
 def _random_llava(tmp: Path, vision: transformers.PretrainedConfig, layer: int | list[int],

@@ -36,7 +36,17 @@ from replicas.models.qwen2_5_vl import (
 from replicas.models.rope import RotaryEmbedding
 from replicas.request import MultiModalItem
 from replicas.worker import ShardWorker, WorkerConfig
-from tests.replicas.mm_steps import BLOCK, TOL, count_encodes, gradient, slices, worker
+from tests.replicas.mm_steps import (
+    BLOCK,
+    TOL,
+    assert_checkpoint_names,
+    assert_same_logits,
+    count_encodes,
+    gradient,
+    resave_renamed,
+    slices,
+    worker,
+)
 
 
 
@@ -350,7 +360,6 @@ def _loaded_layout(name: str) -> str:
 
 def test_checkpoint_names_of_both_layouts(folder: Path) -> None:
     model = Qwen2_5_VLForConditionalGeneration(transformers.AutoConfig.from_pretrained(folder))
-    params = dict(model.named_parameters())
     new = {  # transformers >= 4.52, loaded
         "model.language_model.layers.0.self_attn.q_proj.weight":
             ("language_model.layers.0.self_attn.qkv_proj.weight", 0),
@@ -377,25 +386,18 @@ def test_checkpoint_names_of_both_layouts(folder: Path) -> None:
         "visual.blocks.1.norm2.weight": ("visual.blocks.1.norm2.weight", 0),
         "visual.merger.ln_q.weight": ("visual.merger.ln_q.weight", 0),
     }
-    for name, expected in {**new, **old}.items():
-        assert model.checkpoint_name(name) == expected, name
-        assert expected[0] in params
+    params = assert_checkpoint_names(model, {**new, **old})
     saved = load_file(folder / "model.safetensors")
     assert {model.checkpoint_name(n)[0] for n in saved} == set(params)
 
 
 def test_loads_the_newer_layout_to_the_same_logits(folder: Path, tokenizer, images, hf,
                                                    tmp_path: Path) -> None:
-    for name in ("config.json", "generation_config.json"):
-        (tmp_path / name).write_bytes((folder / name).read_bytes())
-    tensors = load_file(folder / "model.safetensors")
+    tensors = resave_renamed(folder, tmp_path, _loaded_layout)
     assert any(n.startswith("model.layers.") for n in tensors)  # transformers 5's save
     assert any(n.startswith("visual.") for n in tensors)
-    save_file({_loaded_layout(n): t for n, t in tensors.items()}, tmp_path / "model.safetensors")
     p = Prompt(tokenizer, images, hf, [BLUE, "Same?"])
-    row = p.row(0, len(p.ids), tuple(range(10)), all_logits=False)
-    a, b = (worker(f).execute(StepInput((row,))).logits for f in (folder, tmp_path))
-    assert torch.equal(a, b)
+    assert_same_logits(folder, tmp_path, p.row(0, len(p.ids), tuple(range(10)), all_logits=False))
 
 
 def test_tied_embeddings_load_as_the_head(tmp_path: Path) -> None:

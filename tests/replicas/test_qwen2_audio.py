@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from replicas.embedded import ensure_tiny_qwen2_audio
 from replicas.model_runner import RowInput, StepInput
@@ -25,7 +25,16 @@ from replicas.models.qwen2_audio import (
 )
 from replicas.request import MultiModalItem
 from replicas.worker import ShardWorker, WorkerConfig
-from tests.replicas.mm_steps import BLOCK, TOL, count_encodes, slices, worker
+from tests.replicas.mm_steps import (
+    BLOCK,
+    TOL,
+    assert_checkpoint_names,
+    assert_same_logits,
+    count_encodes,
+    resave_renamed,
+    slices,
+    worker,
+)
 
 RATE = 16000
 
@@ -247,7 +256,6 @@ def _loaded_layout(name: str) -> str:
 
 def test_checkpoint_names_of_both_layouts(folder: Path) -> None:
     model = Qwen2AudioForConditionalGeneration(transformers.AutoConfig.from_pretrained(folder))
-    params = dict(model.named_parameters())
     new = {  # transformers >= 4.52, loaded
         "model.language_model.layers.0.self_attn.q_proj.weight":
             ("language_model.layers.0.self_attn.qkv_proj.weight", 0),
@@ -277,25 +285,19 @@ def test_checkpoint_names_of_both_layouts(folder: Path) -> None:
         "audio_tower.layer_norm.bias": ("audio_tower.layer_norm.bias", 0),
         "multi_modal_projector.linear.bias": ("multi_modal_projector.linear.bias", 0),
     }
-    for name, expected in {**new, **old}.items():
-        assert model.checkpoint_name(name) == expected, name
-        assert expected[0] in params
+    params = assert_checkpoint_names(model, {**new, **old})
     saved = load_file(folder / "model.safetensors")
     assert {model.checkpoint_name(n)[0] for n in saved} == set(params)
 
 
 def test_loads_the_newer_layout_to_the_same_logits(folder: Path, processor,
                                                    tmp_path: Path) -> None:
-    for name in ("config.json", "generation_config.json"):
-        (tmp_path / name).write_bytes((folder / name).read_bytes())
-    tensors = load_file(folder / "model.safetensors")
+    tensors = resave_renamed(folder, tmp_path, _loaded_layout)
     assert any(n.startswith("language_model.model.") for n in tensors)  # transformers 5's save
-    save_file({_loaded_layout(n): t for n, t in tensors.items()}, tmp_path / "model.safetensors")
     ids, _ = prompt(processor, "Same?", [LONG])
-    row = RowInput(tuple(ids), 0, tuple(range(16)), True, False,
-                   slices(mm_items(processor, ids, [LONG]), 0, len(ids)))
-    a, b = (worker(f).execute(StepInput((row,))).logits for f in (folder, tmp_path))
-    assert torch.equal(a, b)
+    assert_same_logits(folder, tmp_path, RowInput(
+        tuple(ids), 0, tuple(range(16)), True, False,
+        slices(mm_items(processor, ids, [LONG]), 0, len(ids))))
 
 
 def test_head_stays_untied_as_in_transformers(tmp_path: Path) -> None:
