@@ -231,20 +231,31 @@ def test_bench_model_is_registered() -> None:
     assert BENCH_135M["dtype"] == "bfloat16" and BENCH_135M["num_hidden_layers"] == 30
 
 
+def built_twice(ensure, prefix: str, files: list[str], same: tuple[str, ...],
+                tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`ensure` builds a folder named `prefix`-<key> of exactly `files`, found again in its cache,
+    and a build into another cache gives the same name and the same bytes of `same`."""
+    first = ensure(tmp_path_factory.mktemp("cache"))
+    assert first.name.startswith(prefix) and ensure(first.parent) == first
+    assert sorted(p.name for p in first.iterdir()) == files
+    rebuilt = ensure(tmp_path_factory.mktemp("cache"))
+    assert rebuilt.name == first.name
+    for name in same:
+        assert (rebuilt / name).read_bytes() == (first / name).read_bytes()
+    return first
+
+
+WEIGHTS_AND_TOKENIZER = ("model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
 def test_tiny_llava_is_cached_deterministic_and_loads_offline(tmp_path_factory) -> None:
     from transformers import AutoProcessor, LlavaProcessor
 
     assert EMBEDDED_MODELS[TINY_LLAVA_MODEL_ID] is ensure_tiny_llava
-    first = ensure_tiny_llava(tmp_path_factory.mktemp("cache"))
-    assert first.name.startswith("tiny-llava-") and ensure_tiny_llava(first.parent) == first
-    assert sorted(p.name for p in first.iterdir()) == [
+    first = built_twice(ensure_tiny_llava, "tiny-llava-", [
         "chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
         "preprocessor_config.json", "processor_config.json", "tokenizer.json",
-        "tokenizer_config.json"]
-    rebuilt = ensure_tiny_llava(tmp_path_factory.mktemp("cache"))
-    assert rebuilt.name == first.name
-    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
-        assert (rebuilt / name).read_bytes() == (first / name).read_bytes()
+        "tokenizer_config.json"], WEIGHTS_AND_TOKENIZER, tmp_path_factory)
     config = json.loads((first / "config.json").read_text())
     processor = AutoProcessor.from_pretrained(first, local_files_only=True)
     assert isinstance(processor, LlavaProcessor)
@@ -261,17 +272,10 @@ def test_tiny_qwen2_audio_is_cached_deterministic_and_loads_offline(tmp_path_fac
     from transformers import AutoProcessor, Qwen2AudioProcessor, WhisperFeatureExtractor
 
     assert EMBEDDED_MODELS[TINY_QWEN2_AUDIO_MODEL_ID] is ensure_tiny_qwen2_audio
-    first = ensure_tiny_qwen2_audio(tmp_path_factory.mktemp("cache"))
-    assert first.name.startswith("tiny-qwen2-audio-")
-    assert ensure_tiny_qwen2_audio(first.parent) == first
-    assert sorted(p.name for p in first.iterdir()) == [
+    first = built_twice(ensure_tiny_qwen2_audio, "tiny-qwen2-audio-", [
         "chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
         "preprocessor_config.json", "processor_config.json", "tokenizer.json",
-        "tokenizer_config.json"]
-    rebuilt = ensure_tiny_qwen2_audio(tmp_path_factory.mktemp("cache"))
-    assert rebuilt.name == first.name
-    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
-        assert (rebuilt / name).read_bytes() == (first / name).read_bytes()
+        "tokenizer_config.json"], WEIGHTS_AND_TOKENIZER, tmp_path_factory)
     config = json.loads((first / "config.json").read_text())
     assert config["architectures"] == ["Qwen2AudioForConditionalGeneration"]
     assert config["text_config"]["model_type"] == "qwen2"
@@ -309,17 +313,10 @@ def test_tiny_qwen2_5_vl_is_cached_deterministic_and_loads_offline(tmp_path_fact
     from transformers import AutoImageProcessor, AutoTokenizer
 
     assert EMBEDDED_MODELS[TINY_QWEN2_5_VL_MODEL_ID] is ensure_tiny_qwen2_5_vl
-    first = ensure_tiny_qwen2_5_vl(tmp_path_factory.mktemp("cache"))
-    assert first.name.startswith("tiny-qwen2.5-vl-")
-    assert ensure_tiny_qwen2_5_vl(first.parent) == first
-    assert sorted(p.name for p in first.iterdir()) == [
+    first = built_twice(ensure_tiny_qwen2_5_vl, "tiny-qwen2.5-vl-", [
         "chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
-        "preprocessor_config.json", "tokenizer.json", "tokenizer_config.json"]
-    rebuilt = ensure_tiny_qwen2_5_vl(tmp_path_factory.mktemp("cache"))
-    assert rebuilt.name == first.name
-    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                 "chat_template.jinja"):
-        assert (rebuilt / name).read_bytes() == (first / name).read_bytes()
+        "preprocessor_config.json", "tokenizer.json", "tokenizer_config.json"],
+        (*WEIGHTS_AND_TOKENIZER, "chat_template.jinja"), tmp_path_factory)
     config = json.loads((first / "config.json").read_text())
     assert config["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
     text, vision = config["text_config"], config["vision_config"]
