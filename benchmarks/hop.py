@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     local = InProcessExecutor(config(1))
     out["in_process_ms"] = statistics.median(_time_steps(local.execute, args.batch,
                                                          args.steps)) * 1e3
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         for tp in (1, 2):
             ex = RayExecutor(config(tp), 0.5, 0.0)

@@ -237,7 +237,10 @@ def serve_main(args: argparse.Namespace) -> int:
             # 2-core VM, taken from the engine's threads; 1.6% at 0.5 s. Autoscaling decides over
             # windows of seconds, so nothing waits on the faster loop (the environment's value wins)
             os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")
-            ray.init(num_cpus=args.num_cpus or max(4, os.cpu_count() or 1),
+            # "local": a new instance always; ray.init() alone would join whatever
+            # /tmp/ray/ray_current_cluster names (a `ray start` or a killed test left it), and
+            # refuse num_cpus there
+            ray.init(address="local", num_cpus=args.num_cpus or max(4, os.cpu_count() or 1),
                      include_dashboard=False)
         _catch_signals()  # ray.init installs a SIGTERM handler of its own that exits at once
         serve.start(http_options={"host": config.host, "port": config.port})

@@ -48,7 +48,7 @@ def running_app(config_args: dict[str, Any], num_cpus: int = 4,
         pytest.skip("no HAProxy binary here")
     saved = dict(os.environ)
     fronts.select(http_front)
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         deploy(config)

@@ -1,7 +1,8 @@
 """`shardserve serve` as `make serve` runs it (the default model, SmolLM2-135M-Instruct's GGUF, and
 beside it the tiny LLaVA): its own Ray, HAProxy in front, ready when it says so, an image request
 answered,
-gone (HAProxy included) after SIGINT, even started as a shell starts a background job (SIGINT
+even where a dead cluster's address is left in /tmp/ray/ray_current_cluster (a killed `ray start`
+or test: `ray.init()` alone would try to join it), gone (HAProxy included) after SIGINT, even started as a shell starts a background job (SIGINT
 ignored); SIGTERM goes to the same handler."""
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import psutil
 import pytest
@@ -30,8 +34,28 @@ def _haproxies() -> set[int]:
             if p.info["name"] == "haproxy" and p.status() != psutil.STATUS_ZOMBIE}
 
 
+@contextmanager
+def _stale_cluster_address() -> Iterator[None]:
+    """Ray's record of the last `ray start`, naming a cluster that is gone."""
+    record = Path("/tmp/ray/ray_current_cluster")
+    if record.exists():  # a real one: leave it be
+        yield
+        return
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text("127.0.0.1:9")
+    try:
+        yield
+    finally:
+        record.unlink(missing_ok=True)
+
+
 @pytest.mark.skipif(not http_front.haproxy_available(), reason="no HAProxy binary here")
 def test_serve_behind_haproxy_answers_then_stops_cleanly() -> None:
+    with _stale_cluster_address():
+        _serve_answer_and_stop()
+
+
+def _serve_answer_and_stop() -> None:
     port = free_port()
     before = _haproxies()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}
