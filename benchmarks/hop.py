@@ -38,7 +38,8 @@ def _time_steps(execute: Any, batch: int, steps: int) -> list[float]:
 def run(args: argparse.Namespace) -> dict[str, float]:
     import ray
 
-    from replicas.executor import InProcessExecutor, RayExecutor
+    from replicas.executor import InProcessExecutor
+    from replicas.ray_executor import RayExecutor
     from replicas.model_files import resolve_model_path
     from replicas.worker import WorkerConfig
 

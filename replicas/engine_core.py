@@ -33,7 +33,7 @@ from transformers import AutoConfig
 
 from replicas import core_protocol as proto
 from replicas.engine import Engine, EngineConfig, compute_thread
-from replicas.executor import InProcessExecutor, RayExecutor
+from replicas.executor import InProcessExecutor
 from replicas.gguf_checkpoint import LINK
 from replicas.kernels import isa
 from replicas.logits_processors import load_factory
@@ -198,6 +198,7 @@ class EngineCore:
             # built on the thread that will run it: one OpenMP team for all torch work
             executor = compute.submit(InProcessExecutor, worker_config).result()
         else:
+            from replicas.ray_executor import RayExecutor  # Ray's ~36 MB only where it is used
             executor = RayExecutor(worker_config, config.shard_num_cpus, config.shard_num_gpus,
                                    name_prefix=spec.shard_name_prefix,
                                    placement_group_id=spec.placement_group_id)

@@ -5,7 +5,8 @@ Each parameter's `weight_loader` narrows the full tensor to the rank's shard, so
 over the checkpoint; tensors are read lazily, one at a time, in the model's dtype. A GGUF file's
 block-quantized linears and embedding stay quantized where the native kernels multiply them
 (`keep_quantized`: a CPU, one rank, float32 compute): fused projections' parts are concatenated
-row-wise and packed (`quant.pack`), block types without a native kernel are re-quantized to Q8_0.
+row-wise and packed (`quant.pack`), block types without a native kernel are re-quantized to Q8_0;
+a tied embedding gathers its rows from the head's packed panels (one copy of the table).
 Elsewhere every tensor is dequantized to the model's dtype as it is read. `quantize_int8` turns
 a float checkpoint's linears into Q8_0 after loading (`--quantization int8`)."""
 
@@ -87,16 +88,20 @@ def _load_gguf(model: nn.Module, file: Path, dtype: torch.dtype, keep_quantized:
                 module, (*LINEARS, VocabParallelEmbedding)):
             raw, fmt = (t.raw, t.fmt) if t.fmt is not None else (
                 quant.quantize_q8_0(t.raw), quant.Q8_0)
-            pending.setdefault(module_name, {})[shard] = (raw, fmt)
+            tied = target == "embed_tokens.weight" and model.tie_word_embeddings
+            # a tied head's packed panels serve the embedding's gathers too: one copy
+            pending.setdefault("lm_head" if tied else module_name, {})[shard] = (raw, fmt)
             loaded.add(target)
-            if target == "embed_tokens.weight" and model.tie_word_embeddings:
-                pending["lm_head"] = {0: (raw, fmt)}
+            if tied:
                 loaded.add("lm_head.weight")
             continue
         _assign(model, params, loaded, target, t.to_float().to(dtype), shard)
     _check_complete(params, loaded, file)
     for module_name, shards in pending.items():
         _set_quantized(model.get_submodule(module_name), [shards[i] for i in sorted(shards)])
+    if model.tie_word_embeddings and model.lm_head.quant_format is not None:
+        model.embed_tokens.weight = model.lm_head.weight
+        model.embed_tokens.quant_format = model.lm_head.quant_format
 
 
 def quantize_int8(model: nn.Module) -> int:

@@ -129,9 +129,36 @@ def dot_reference(x: torch.Tensor, raw: torch.Tensor, fmt: BlockFormat) -> torch
 
 
 def embedding(ids: torch.Tensor, raw: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
-    """The float32 rows `ids` of a quantized embedding table, dequantized as gathered."""
+    """The float32 rows `ids` of a quantized embedding table, dequantized as gathered: from
+    GGUF's rows, or (a 1-d `raw`) from `pack`'s panels, which a tied LM head shares."""
     flat = ids.reshape(-1)
-    return dequantize(raw[flat], fmt).view(*ids.shape, -1)
+    if raw.dim() == 1:
+        rows, fmt = packed_rows(raw, flat)
+    else:
+        rows = raw[flat]
+    return dequantize(rows, fmt).view(*ids.shape, -1)
+
+
+def packed_rows(packed: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, BlockFormat]:
+    """Rows `ids` of a `pack`ed weight back as raw block rows: Q8_0's, or Q4_1's for both 4-bit
+    formats (the panels hold Q4_0 as Q4_1 with m = -8 d, the same weights)."""
+    magic, kernel_type, n, k, panel = struct.unpack_from("<IIqqI", packed[:HEADER_BYTES].numpy())
+    if magic != _MAGIC:
+        raise ValueError("not a packed quantized weight")
+    fmt = Q8_0 if kernel_type == _KERNEL_Q8 else Q4_1
+    scales, blocks = (2 if fmt is Q8_0 else 4), k // BLOCK
+    records = packed[HEADER_BYTES:].view(-1, blocks, panel * fmt.block_bytes)
+    rec = records[ids // panel]  # [rows, blocks, record]: each row's panel
+    at = (ids % panel).view(-1, 1, 1)
+    # a record: the panel's d (then its m), float16 each, then [groups of 4 quants][panel][4]
+    heads = rec[..., :panel * scales].reshape(*rec.shape[:2], scales // 2, panel, 2)
+    quants = rec[..., panel * scales:].reshape(*rec.shape[:2], -1, panel, 4)
+    pick = at.view(-1, 1, 1, 1, 1)
+    head = heads.gather(3, pick.expand(-1, blocks, scales // 2, 1, 2))
+    q = quants.gather(3, pick.expand(-1, blocks, quants.shape[2], 1, 4))
+    block_rows = torch.cat([head.reshape(*rec.shape[:2], -1), q.reshape(*rec.shape[:2], -1)],
+                           dim=-1)
+    return block_rows.reshape(ids.shape[0], -1), fmt
 
 
 def pack(raw: torch.Tensor, fmt: BlockFormat, panel: int) -> torch.Tensor:

@@ -157,7 +157,8 @@ def pack_weights(model: nn.Module) -> int:
     """Packs, in place, the weight of every linear layer (and the LM head) that a native CPU
     kernel multiplies (`kernels.packs_linear`, `kernels.packs_mixed`); returns how many. Call
     once, after loading: the packed weight replaces the [out, in] one, which nothing reads
-    afterwards (a tied LM head is packed apart from the embedding, which keeps its rows)."""
+    afterwards (a tied float LM head is packed apart from the embedding, which keeps its rows;
+    a quantized one's panels serve both: `loader`)."""
     packed = 0
     for module in model.modules():
         if not isinstance(module, LINEARS):

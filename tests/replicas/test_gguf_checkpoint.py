@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
@@ -81,8 +81,8 @@ def test_weights_stay_quantized_and_logits_match_transformers(folder: Path,
     formats = worker.weight_formats()
     assert formats == {"Q8_0 embedding": 1, "Q4_1 linear_q": 120, "Q8_0 linear_q": 1}, formats
     resident = sum(p.numel() * p.element_size() for p in worker.runner.model.parameters())
-    # about the file's size (the tied head's Q8_0 rows are held twice: gathered and packed)
-    assert resident < 1.45 * smollm2_file().stat().st_size, resident
+    # the file's size (measured 0.98x): the tied head's packed Q8_0 panels serve the embedding
+    assert resident < 1.05 * smollm2_file().stat().st_size, resident
     rows = _logits_against(reference, worker)
     # float32 activations: measured under 1e-5 of the largest logit
     assert max(d for d, _ in rows) < 1e-4 and all(same for _, same in rows), rows
