@@ -11,13 +11,26 @@ import numpy as np
 import torch
 
 # (out features, in features, rows, bias): panels cut short (N not a multiple of any build's
-# panel), a single block, row tiles with every tail, past the 8-bit activations' row limit (a
-# panel unpacked per 48-row block, then a 2-row tail tile)
-SHAPES = [(70, 96, 1, False), (33, 32, 5, True), (256, 576, 13, False), (130, 1536, 64, True),
-          (40, 64, 50, False)]
+# panel), a single block, the few-row 4-bit path (1-4 rows), row tiles with every tail, past
+# the 8-bit activations' row limit (a panel unpacked per 48-row block, then a 2-row tail tile)
+SHAPES = [(70, 96, 1, False), (50, 576, 2, True), (33, 32, 5, True), (96, 160, 4, False),
+          (256, 576, 13, False), (130, 1536, 64, True), (40, 64, 50, False)]
 
 
 def cases() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each format and shape with float32 activations, then with 8-bit ones where the build has
+    them (SHARDSERVE_INT8_ACTIVATIONS=1 in the environment)."""
+    from replicas import kernels
+    lib, dot_rows = kernels.load(), kernels.quant_dot_rows()
+    lib.linear_q_set_dot_rows(0)
+    out = _cases()
+    if dot_rows:
+        lib.linear_q_set_dot_rows(dot_rows)
+        out |= _cases()
+    return out
+
+
+def _cases() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 

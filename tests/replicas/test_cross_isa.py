@@ -103,7 +103,7 @@ def test_linear_mixed(cross: Cross, rows: int, n: int, k: int) -> None:
 
 
 @pytest.mark.parametrize("fmt", [quant.Q4_0, quant.Q4_1, quant.Q8_0], ids=lambda f: f.name)
-@pytest.mark.parametrize("rows", [1, 9, 50])  # a decode row, a tile and a tail, row blocks
+@pytest.mark.parametrize("rows", [1, 3, 9, 50])  # decode rows, a tile and a tail, row blocks
 def test_linear_q(cross: Cross, fmt: quant.BlockFormat, rows: int) -> None:
     g = torch.Generator().manual_seed(rows)
     n, k = 21, 96  # rows of the weight not a multiple of the panel
