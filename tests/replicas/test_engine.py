@@ -254,10 +254,12 @@ async def test_message_budget_groups_tokens_under_load(server: LLMServer) -> Non
     # unset, the budget follows where the model runs (this server's model: CPU unless CUDA)
     assert server.config.stream_messages_per_s is None
     assert budget == (500.0 if torch.cuda.is_available() else 50.0)
-    # set, it is the replica's whatever the device
+    # and on CPUs a request alone still waits 40 ms between messages
+    assert server.stream_floor_s == (0.0 if torch.cuda.is_available() else 0.04)
+    # set, it is the replica's whatever the device, with no floor
     off = LLMServer(ReplicaConfig(model=EMBEDDED_MODEL_ID, max_model_len=128, kv_cache_gib=0.01,
                                   stream_messages_per_s=0.0), in_process=True)
-    assert off.stream_budget == 0.0
+    assert off.stream_budget == 0.0 and off.stream_floor_s == 0.0
     off.close()
     for alone, grouped in zip(every, budgeted):
         # without a budget tokens travel one by one, save the few a busy event loop lets pile
