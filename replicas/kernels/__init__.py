@@ -11,9 +11,9 @@ in bf16 with AVX512-BF16 dot products (`pack_linear`: 1.4x torch at 32 rows, 1.0
 single row's weights streamed at 2.5x torch's rate), and in float32 over a bf16 checkpoint's
 weights kept as bf16 and widened in registers on every other CPU (`pack_mixed`, `linear_mixed`);
 `quant_linear.c` over 4- and 8-bit block-quantized weights (GGUF's Q4_0, Q4_1, Q8_0;
-`replicas/quant.py` packs them): unpacked to float32 in registers, or for 4-bit weights in
-decode-sized calls, where `SHARDSERVE_INT8_ACTIVATIONS=1` asks for it, multiplied by 8-bit
-activations with integer dot products as llama.cpp does (`linear_q`).
+`replicas/quant.py` packs them): unpacked to float32 in registers, or for 4-bit weights, where
+`SHARDSERVE_INT8_ACTIVATIONS=1` asks for it, multiplied by 8-bit activations with integer dot
+products as llama.cpp does (`linear_q`).
 `llama_layers.c` runs all of a Llama-family model's decoder layers of a step in one call over
 those kernels (`llama_layers`, bf16 or float32).
 
@@ -165,7 +165,8 @@ def _open() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(build(compiler, level, _torch_openmp_link())))
         _declare(lib)
         if os.environ.get("SHARDSERVE_INT8_ACTIVATIONS", "0") == "1":
-            lib.linear_q_set_dot_rows(48)  # decode-sized calls: llama.cpp's 8-bit activations
+            # every call, prefill too, as llama.cpp: 2.4-3x the float32 path at 48-512 rows
+            lib.linear_q_set_dot_rows(ALL_ROWS)
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         detail = getattr(e, "stderr", "") or e
         logger.warning("native kernels unavailable (%s): using the torch path", detail)
@@ -363,10 +364,13 @@ def _packed_linear(name: str, x: torch.Tensor, packed: torch.Tensor, out_feature
     return out.view(*x.shape[:-1], out_features), failed
 
 
+ALL_ROWS = 1 << 30  # linear_q_set_dot_rows: 8-bit activations for calls of any size
+
+
 def quant_dot_rows() -> int:
     """The most rows a `linear_q` call may have for 4-bit weights to multiply 8-bit activations
     with integer dot products (0, the default: never; SHARDSERVE_INT8_ACTIVATIONS=1 on AVX2 and
-    AVX-512 builds: 48): see quant_linear.c."""
+    AVX-512 builds: ALL_ROWS, every call): see quant_linear.c."""
     lib = load()
     return int(lib.linear_q_dot_rows()) if lib is not None else 0
 

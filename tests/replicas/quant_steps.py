@@ -12,7 +12,7 @@ import torch
 
 # (out features, in features, rows, bias): panels cut short (N not a multiple of any build's
 # panel), a single block, the few-row 4-bit path (1-4 rows), row tiles with every tail, past
-# the 8-bit activations' row limit (a panel unpacked per 48-row block, then a 2-row tail tile)
+# a 48-row block (float32: a panel unpacked per block, then a 2-row tail tile)
 SHAPES = [(70, 96, 1, False), (50, 576, 2, True), (33, 32, 5, True), (96, 160, 4, False),
           (256, 576, 13, False), (130, 1536, 64, True), (40, 64, 50, False)]
 
