@@ -28,6 +28,7 @@ SUBCOMMANDS: list[Subcommand] = [
     Subcommand("engine", "benchmarks.engine", "offline throughput of the engine alone (no HTTP)"),
     Subcommand("linear", "benchmarks.linear", "the native linear kernel vs torch's on a model's layer shapes"),
     Subcommand("step", "benchmarks.step", "the model's decode step alone vs the memory-bandwidth bound"),
+    Subcommand("bandwidth", "benchmarks.bandwidth", "the memory-bound kernels vs the box's read bandwidth"),
     Subcommand("soak", "benchmarks.soak", "many requests while the server processes' memory is sampled"),
     Subcommand("hop", "benchmarks.hop", "per-step cost of shard actors vs in-process"),
     Subcommand("caps", "benchmarks.caps", "other streams' TPOT beside one request at the list caps"),
