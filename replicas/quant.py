@@ -1,7 +1,8 @@
 """Block-quantized weights: the GGML block formats shardserve multiplies natively (Q4_0, Q4_1,
-Q8_0; Q4_K repacked into Q4_1 blocks), their dequantization, weight-only int8 quantization of float weights, and the packing the
-native kernel reads (`kernels/quant_linear.c`: panels of output columns, one record per 32-weight
-block, behind a 64-byte header that names the type and shape).
+Q8_0; Q4_K repacked into Q4_1 blocks), their dequantization, weight-only int8 quantization of
+float weights, and the packing the native kernel reads (`kernels/quant_linear.c`: panels of
+output columns, one record per 32-weight block, behind a 64-byte header that names the type and
+shape).
 
 Raw weights are GGUF's own rows: a [rows, blocks * block_bytes] uint8 tensor, each block a
 float16 scale d (Q4_1: then a float16 offset m) and its quants: Q4 packs element j in the low
@@ -132,8 +133,9 @@ def embedding(ids: torch.Tensor, raw: torch.Tensor, fmt: BlockFormat) -> torch.T
     """The float32 rows `ids` of a quantized embedding table, dequantized as gathered: from
     GGUF's rows, or (a 1-d `raw`) from `pack`'s panels, which a tied LM head shares."""
     flat = ids.reshape(-1)
-    if raw.dim() == 1:
-        rows, fmt = packed_rows(raw, flat)
+    if raw.dim() == 1:  # a prefill's ids a few hundred at a time: each gathers whole records
+        parts = [packed_rows(raw, flat[i:i + 256]) for i in range(0, flat.numel(), 256)]
+        rows, fmt = torch.cat([r for r, _ in parts]), parts[0][1]
     else:
         rows = raw[flat]
     return dequantize(rows, fmt).view(*ids.shape, -1)
@@ -149,11 +151,10 @@ def packed_rows(packed: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, 
     scales, blocks = (2 if fmt is Q8_0 else 4), k // BLOCK
     records = packed[HEADER_BYTES:].view(-1, blocks, panel * fmt.block_bytes)
     rec = records[ids // panel]  # [rows, blocks, record]: each row's panel
-    at = (ids % panel).view(-1, 1, 1)
     # a record: the panel's d (then its m), float16 each, then [groups of 4 quants][panel][4]
     heads = rec[..., :panel * scales].reshape(*rec.shape[:2], scales // 2, panel, 2)
     quants = rec[..., panel * scales:].reshape(*rec.shape[:2], -1, panel, 4)
-    pick = at.view(-1, 1, 1, 1, 1)
+    pick = (ids % panel).view(-1, 1, 1, 1, 1)
     head = heads.gather(3, pick.expand(-1, blocks, scales // 2, 1, 2))
     q = quants.gather(3, pick.expand(-1, blocks, quants.shape[2], 1, 4))
     block_rows = torch.cat([head.reshape(*rec.shape[:2], -1), q.reshape(*rec.shape[:2], -1)],

@@ -101,10 +101,11 @@ def test_every_level_multiplies_every_format(level: str, tmp_path: Path) -> None
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_embedding_rows_come_back_from_packed_panels(fmt: quant.BlockFormat) -> None:
     """A tied head's packed panels serve the embedding: the rows gathered from them are the
-    rows gathered from GGUF's (rows past a panel's end and repeated ids included)."""
-    raw = torch.from_numpy(_raw(torch.randn(50, 96, generator=torch.Generator().manual_seed(4)),
-                                fmt))
-    ids = torch.tensor([[0, 49, 7], [8, 3, 3]])
-    for panel in (8, 16):
-        packed = quant.pack(raw, fmt, panel)
-        assert torch.equal(quant.embedding(ids, packed, fmt), quant.embedding(ids, raw, fmt))
+    rows gathered from GGUF's (rows past a panel's end, repeated ids, and a prefill's worth,
+    gathered a few hundred at a time, included)."""
+    g = torch.Generator().manual_seed(4)
+    raw = torch.from_numpy(_raw(torch.randn(50, 96, generator=g), fmt))
+    for ids in (torch.tensor([[0, 49, 7], [8, 3, 3]]), torch.randint(0, 50, (2, 700), generator=g)):
+        for panel in (8, 16):
+            packed = quant.pack(raw, fmt, panel)
+            assert torch.equal(quant.embedding(ids, packed, fmt), quant.embedding(ids, raw, fmt))
