@@ -21,7 +21,8 @@
      convert, one FMA with d and m) and multiplied in float32 tiles, a panel unpacked once per
      48-row block where a block has more rows than a tile; 4-bit calls of 1-4 rows (1-2 on
      16-register ISAs) take d and m out of the loop and mask nibbles in place
-     (q4_tile_hoisted): 1.15-1.36x faster per call;
+     (q4_tile_hoisted): 1.15-1.36x faster per call; 8-bit ones take d out of the loop
+     (q8_tile_hoisted): a Q8_0 LM head of 49,152 x 576 at one row 1.40x;
    - 8-bit activations, opt-in (4-bit weights, calls of any size, on the AVX2 and AVX-512
      builds: vpdpbusd with VNNI, else vpmaddubsw + vpmaddwd): as llama.cpp does, each row's block of 32 activations becomes int8 with a
      float scale (dx = max|x| / 127) and the block's products are integer dot products:
@@ -284,6 +285,56 @@ static void q4_panel_hoisted(const float *x, const float *xsum, const uint8_t *p
     }
 }
 
+/* 8-bit weights in calls of at most HOIST_ROWS rows (a lone stream's Q8_0 LM head): the
+   block's scale d out of the inner loop, d sum(x q) per block, so a weight costs its sign
+   extension (two shifts, one for the top byte), a convert and its FMA: 4 operations, 5 before. */
+KERNEL_INLINE void q8_tile_hoisted(const float *x, const uint8_t *panel, const float *bias,
+                                   float *y, int64_t N, int64_t K, int64_t m0, int64_t n0,
+                                   int MT) {
+    vf acc[8][2];
+    const float *xr[HOIST_ROWS];
+    for (int i = 0; i < MT; i++) {
+        acc[i][0] = acc[i][1] = (vf){0};
+        xr[i] = x + (m0 + i) * K;
+    }
+    const int64_t rec = record_bytes(Q8);
+    for (int64_t b = 0; b < K / QK; b++) {
+        const uint8_t *r = panel + b * rec, *qs = r + 2 * P;
+        vf s[HOIST_ROWS][2];
+        for (int i = 0; i < MT; i++) s[i][0] = s[i][1] = (vf){0};
+        for (int g = 0; g < 8; g++) {
+            const vi v0 = quads(qs + 4 * P * g), v1 = quads(qs + 4 * P * g + 4 * LANES);
+            for (int i = 0; i < 4; i++) {
+                const vf q0 = __builtin_convertvector((v0 << (24 - 8 * i)) >> 24, vf);
+                const vf q1 = __builtin_convertvector((v1 << (24 - 8 * i)) >> 24, vf);
+                const int64_t k = b * QK + 4 * g + i;
+                for (int m = 0; m < MT; m++) {
+                    s[m][0] += xr[m][k] * q0;
+                    s[m][1] += xr[m][k] * q1;
+                }
+            }
+        }
+        const vf d0 = halves(r), d1 = halves(r + 2 * LANES);
+        for (int m = 0; m < MT; m++) {
+            acc[m][0] += d0 * s[m][0];
+            acc[m][1] += d1 * s[m][1];
+        }
+    }
+    store_rows(acc, bias, y, N, m0, n0, MT);
+}
+
+static void q8_panel_hoisted(const float *x, const uint8_t *panel, const float *bias, float *y,
+                             int64_t m0, int64_t m1, int64_t N, int64_t K, int64_t n0) {
+    switch (m1 - m0) {
+        case 1: q8_tile_hoisted(x, panel, bias, y, N, K, m0, n0, 1); break;
+#if HOIST_ROWS >= 4
+        case 3: q8_tile_hoisted(x, panel, bias, y, N, K, m0, n0, 3); break;
+        case 4: q8_tile_hoisted(x, panel, bias, y, N, K, m0, n0, 4); break;
+#endif
+        default: q8_tile_hoisted(x, panel, bias, y, N, K, m0, n0, 2); break;
+    }
+}
+
 PANEL_ROWS(q4_panel_rows, q4_tile, uint8_t)
 PANEL_ROWS(q8_panel_rows, q8_tile, uint8_t)
 
@@ -430,6 +481,8 @@ static void q_panel(int qtype, const float *x, const uint8_t *panel, float *unpa
         f32_panel_rows(x, unpacked, bias, y, m0, m1, N, K, n0);
     } else if (qtype == Q4) {
         q4_panel_rows(x, panel, bias, y, m0, m1, N, K, n0);
+    } else if (m1 - m0 <= HOIST_ROWS) {
+        q8_panel_hoisted(x, panel, bias, y, m0, m1, N, K, n0);
     } else {
         q8_panel_rows(x, panel, bias, y, m0, m1, N, K, n0);
     }
