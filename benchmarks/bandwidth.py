@@ -57,7 +57,7 @@ def cases(config: Any, dtype: Any) -> list[tuple[str, int, Callable[[], Any]]]:
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
-    from benchmarks.linear import layer_shapes
+    from benchmarks.linear import layer_shapes, native_linear
     from replicas import host_memory, kernels, quant
 
     es = torch.empty((), dtype=dtype).element_size()
@@ -132,11 +132,9 @@ def cases(config: Any, dtype: Any) -> list[tuple[str, int, Callable[[], Any]]]:
                     lambda: [kernels.linear_q(xs[k], p, n) for n, k, p in q4]))
     packed = []
     for _, n, k in shapes:
-        w = (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16)
-        if dtype == torch.float32 and kernels.packs_mixed(w.float()):
-            packed.append((n, k, kernels.pack_mixed(w.float()), kernels.linear_mixed))
-        elif dtype == torch.bfloat16 and kernels.packs_linear(w):
-            packed.append((n, k, kernels.pack_linear(w), kernels.linear))
+        found = native_linear((torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16), dtype)
+        if found is not None:
+            packed.append((n, k, *found))
     if packed:
         xb = {k: torch.randn(1, k, generator=g).to(dtype) for _, k, _, _ in packed}
         name = "linear_mixed" if dtype == torch.float32 else "linear_bf16"

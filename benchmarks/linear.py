@@ -41,6 +41,19 @@ def layer_shapes(config: Any) -> list[tuple[str, int, int]]:
             ("gate_up", 2 * inter, hidden), ("down", hidden, inter)]
 
 
+def native_linear(weight: Any, dtype: Any) -> tuple[Any, Any] | None:
+    """(packed weight, kernel) multiplying bf16 `weight` in `dtype` natively: `linear_mixed` over
+    the values kept as bf16 in float32, `linear_bf16` in bf16; None where this build has no such
+    kernel."""
+    import torch
+
+    from replicas import kernels
+    if dtype == torch.float32:
+        w = weight.float()
+        return (kernels.pack_mixed(w), kernels.linear_mixed) if kernels.packs_mixed(w) else None
+    return (kernels.pack_linear(weight), kernels.linear) if kernels.packs_linear(weight) else None
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
@@ -59,16 +72,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(config.num_hidden_layers):
         for name, n, k in layer_shapes(config):
             w = (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16)
-            if dtype == torch.float32:
-                w = w.float()
-                packed = kernels.pack_mixed(w) if kernels.packs_mixed(w) else None
-                native = kernels.linear_mixed
-            else:
-                packed = kernels.pack_linear(w) if kernels.packs_linear(w) else None
-                native = kernels.linear
-            if packed is None:
+            found = native_linear(w, dtype)
+            if found is None:
                 raise SystemExit(f"no native {args.dtype} linear on this build ({isa.selected()})")
-            layers.append((name, n, k, w, packed))
+            packed, native = found
+            layers.append((name, n, k, w.to(dtype), packed))
     flops_per_row = sum(2 * n * k for _, n, k, _, _ in layers)
     peak = kernels.fma_peak_gflops(dtype=dtype)
     weight_bytes = {"native": sum(p.numel() * p.element_size() for *_, p in layers),
