@@ -220,9 +220,14 @@ def engine_alone(path: Path, requests: list[BenchRequest], tokenizer: Any,
                  args: argparse.Namespace) -> dict[str, Any]:
     """`bench engine` in a subprocess on this load's shape: as many sequences, prompts of the
     templated prompts' mean token length, the same output length and concurrency, and the
-    server's own defaults for the step's token budget and the KV cache."""
+    server's step token budget and KV cache (its defaults, or --shardserve-args' values)."""
     from serve_app.config import ModelConfig
     defaults = ModelConfig.model_fields
+    server = argparse.ArgumentParser(add_help=False)
+    server.add_argument("--max-num-batched-tokens",
+                        default=defaults["max_num_batched_tokens"].default)
+    server.add_argument("--kv-cache-gib", default=defaults["kv_cache_gib"].default)
+    flags = server.parse_known_args(shlex.split(args.shardserve_args or ""))[0]
     texts = [tokenizer.apply_chat_template(r.chat_messages(), tokenize=False,
                                            add_generation_prompt=True)
              for r in split_warmups(requests, args.num_warmups)[1]]
@@ -234,8 +239,8 @@ def engine_alone(path: Path, requests: list[BenchRequest], tokenizer: Any,
            "--max-input-len", str(prompt_len), "--min-output-len", str(args.output_len),
            "--max-output-len", str(args.output_len), "--max-num-seqs", str(args.concurrency),
            "--dtype", args.dtype, "--result-json", str(out),
-           "--max-num-batched-tokens", str(defaults["max_num_batched_tokens"].default),
-           "--kv-cache-gib", str(defaults["kv_cache_gib"].default)]
+           "--max-num-batched-tokens", str(flags.max_num_batched_tokens),
+           "--kv-cache-gib", str(flags.kv_cache_gib)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=3600)
     result = json.loads(out.read_text())
     out.unlink()
