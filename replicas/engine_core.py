@@ -32,6 +32,7 @@ from tokenizers import Tokenizer
 from transformers import AutoConfig
 
 from replicas import core_protocol as proto
+from replicas import kernels
 from replicas.engine import Engine, EngineConfig, compute_thread
 from replicas.executor import InProcessExecutor
 from replicas.gguf_checkpoint import LINK
@@ -215,6 +216,13 @@ class EngineCore:
                      "isa": None if on_gpu else isa.selected(), "on_gpu": on_gpu,
                      "shard_num_parameters": executor.shard_sizes(),
                      "weights": executor.weight_formats(), "pid": os.getpid()}
+        # what the 4-bit linears multiply (kernels.quant_activations), where there are any
+        self.info["quant_activations"] = (
+            kernels.quant_activations() if any(k.startswith("Q4") and k.endswith(" linear_q")
+                                               for k in self.info["weights"]) else None)
+        if self.info["quant_activations"]:
+            logger.info("4-bit linears multiply %s activations (%s)",
+                        self.info["quant_activations"], kernels.QUANT_ACTIVATIONS_ENV)
         self.engine = Engine(
             EngineConfig(max_len, num_blocks, config.block_size, config.max_num_seqs,
                          config.max_num_batched_tokens, config.max_waiting,
@@ -281,6 +289,7 @@ class EngineCore:
         return {"max_model_len": self.info["max_model_len"],
                 "vocab_size": self.info["vocab_size"], "dtype": self.info["dtype"],
                 "isa": self.info["isa"], "weights": self.info["weights"],
+                "quant_activations": self.info["quant_activations"],
                 "num_running": e.num_running, "num_waiting": e.num_waiting,
                 "kv_cache_usage": e.blocks.usage, "num_used_blocks": e.blocks.num_used_blocks,
                 "num_blocks": e.blocks.num_blocks,

@@ -11,9 +11,10 @@ in bf16 with AVX512-BF16 dot products (`pack_linear`: 1.4x torch at 32 rows, 1.0
 single row's weights streamed at 2.5x torch's rate), and in float32 over a bf16 checkpoint's
 weights kept as bf16 and widened in registers on every other CPU (`pack_mixed`, `linear_mixed`);
 `quant_linear.c` over 4- and 8-bit block-quantized weights (GGUF's Q4_0, Q4_1, Q8_0;
-`replicas/quant.py` packs them): unpacked to float32 in registers, or for 4-bit weights, where
-`SHARDSERVE_INT8_ACTIVATIONS=1` asks for it, multiplied by 8-bit activations with integer dot
-products as llama.cpp does (`linear_q`).
+`replicas/quant.py` packs them): unpacked in registers, 4-bit weights multiplied by the
+activations `SHARDSERVE_QUANT_ACTIVATIONS` names (`quant_activations`: float32; bfloat16, with
+AVX512-BF16 dot products, the default where the CPU has them; or int8 blocks with integer dot
+products, as llama.cpp does) (`linear_q`).
 `llama_layers.c` runs all of a Llama-family model's decoder layers of a step in one call over
 those kernels (`llama_layers`, bf16 or float32).
 
@@ -121,8 +122,8 @@ _LAYERS = [_PTR, _I64] + [_PTR] * 3 + [_I64] * 6 + [_F32] * 2 + [_PTR] * 5 + [_I
 _SINGLE_SIGNATURES = {
     "linear_bf16": [_PTR] * 4 + [_I64] * 3 + [_INT], "linear_bf16_fast": [],
     "linear_mixed": [_PTR] * 4 + [_I64] * 3 + [_INT], "linear_mixed_panel": [],
-    "linear_q": [_PTR] * 4 + [_I64] * 3 + [_INT], "linear_q_dot_rows": [],
-    "linear_q_set_dot_rows": [_INT],
+    "linear_q": [_PTR] * 4 + [_I64] * 3 + [_INT], "linear_q_activations": [],
+    "linear_q_set_activations": [_INT],
     "llama_layers_bf16": _LAYERS, "llama_layers_f32": _LAYERS, "llama_layers_q": _LAYERS,
     "fma_peak": [_I64, _INT], "bf16_dot_peak": [_I64, _INT],
 }
@@ -164,9 +165,7 @@ def _open() -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(str(build(compiler, level, _torch_openmp_link())))
         _declare(lib)
-        if os.environ.get("SHARDSERVE_INT8_ACTIVATIONS", "0") == "1":
-            # every call, prefill too, as llama.cpp: 2.4-3x the float32 path at 48-512 rows
-            lib.linear_q_set_dot_rows(ALL_ROWS)
+        _set_quant_activations(lib)
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         detail = getattr(e, "stderr", "") or e
         logger.warning("native kernels unavailable (%s): using the torch path", detail)
@@ -364,23 +363,39 @@ def _packed_linear(name: str, x: torch.Tensor, packed: torch.Tensor, out_feature
     return out.view(*x.shape[:-1], out_features), failed
 
 
-ALL_ROWS = 1 << 30  # linear_q_set_dot_rows: 8-bit activations for calls of any size
+# what 4-bit weights multiply in linear_q, by the C side's number (quant_linear.c)
+QUANT_ACTIVATIONS = ("float32", "bfloat16", "int8")
+QUANT_ACTIVATIONS_ENV = "SHARDSERVE_QUANT_ACTIVATIONS"
 
 
-def quant_dot_rows() -> int:
-    """The most rows a `linear_q` call may have for 4-bit weights to multiply 8-bit activations
-    with integer dot products (0, the default: never; SHARDSERVE_INT8_ACTIVATIONS=1 on AVX2 and
-    AVX-512 builds: ALL_ROWS, every call): see quant_linear.c."""
+def _set_quant_activations(lib: ctypes.CDLL) -> None:
+    """`auto` (the default): bfloat16 where the build has AVX512-BF16 dot products (prefill
+    projections ~2x float32's FMAs, and greedy answers still transformers' on the default model),
+    else float32. int8 is llama.cpp's arithmetic (2.4-3x float32 at every size, but the default
+    model's greedy answers are then llama.cpp's). A choice the build cannot run is float32."""
+    asked = os.environ.get(QUANT_ACTIVATIONS_ENV, "auto")
+    if asked not in ("auto", *QUANT_ACTIVATIONS):
+        raise ValueError(f"{QUANT_ACTIVATIONS_ENV}={asked!r}: one of auto, "
+                         f"{', '.join(QUANT_ACTIVATIONS)}")
+    mode = lib.linear_q_set_activations(QUANT_ACTIVATIONS.index(
+        "bfloat16" if asked == "auto" else asked))
+    if asked not in ("auto", QUANT_ACTIVATIONS[mode]):
+        logger.warning("%s=%s: not on this CPU's kernels; 4-bit weights take float32 "
+                       "activations", QUANT_ACTIVATIONS_ENV, asked)
+
+
+def quant_activations() -> str | None:
+    """What 4-bit weights multiply in `linear_q` (QUANT_ACTIVATIONS), None without kernels."""
     lib = load()
-    return int(lib.linear_q_dot_rows()) if lib is not None else 0
+    return QUANT_ACTIVATIONS[lib.linear_q_activations()] if lib is not None else None
 
 
 def linear_q(x: torch.Tensor, packed: torch.Tensor, out_features: int,
              bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [out_features, K]^T (+ bias) in float32 over `quant.pack(...)` of a
     block-quantized weight, as F.linear over its dequantized values up to the order of the float32
-    additions; 4-bit weights in calls of at most `quant_dot_rows()` rows take x rounded to 8 bits
-    a 32-block (`quant.dot_reference` says exactly what is computed then). Call only where
+    additions, with x as `quant_activations()` says for 4-bit weights (bfloat16: x rounded to
+    it; int8: `quant.dot_reference` says exactly what is computed). Call only where
     `supports(torch.float32, x.device)` holds."""
     if x.dtype != torch.float32 or packed.dtype != torch.uint8 or (
             bias is not None and bias.dtype != torch.float32):

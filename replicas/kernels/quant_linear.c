@@ -59,10 +59,17 @@ enum { Q4 = 0, Q8 = 1 };
 #else
 #define DOT 0
 #endif
-/* calls of at most this many rows (decode steps) take 8-bit activations; 0 (the default):
-   never. linear_q_set_dot_rows sets it (SHARDSERVE_INT8_ACTIVATIONS=1: every call, prefill too,
-   as llama.cpp; 2.4-3x the float32 path at 48-512 rows on Zen 4) */
-static int dot_rows = 0;
+#if VBYTES == 64 && defined(__AVX512BF16__)
+#define BF_DOT 1
+#define BF_MT 6 /* 12 block sums, 12 accumulators, 2 weight vectors, d, m and an x pair */
+#else
+#define BF_DOT 0
+#endif
+/* what 4-bit weights multiply (linear_q_set_activations; every call alike, so a row's result
+   does not depend on the rows beside it): float32 x; x rounded to bfloat16; or x as 8-bit
+   blocks (llama.cpp's arithmetic) */
+enum { ACT_F32 = 0, ACT_BF16 = 1, ACT_INT8 = 2 };
+static int act_mode = ACT_F32;
 
 typedef struct {
     uint32_t magic, qtype;
@@ -72,13 +79,13 @@ typedef struct {
 
 int quant_header_bytes(void) { return Q_HEADER; }
 
-/* the most rows a call may have for 4-bit weights to take 8-bit activations (0: never) */
-int linear_q_dot_rows(void) { return dot_rows; }
+int linear_q_activations(void) { return act_mode; }
 
-/* at most `rows` rows (0 turns 8-bit activations off; a build without them keeps 0) */
-int linear_q_set_dot_rows(int rows) {
-    dot_rows = DOT && rows > 0 ? rows : 0;
-    return dot_rows;
+/* ACT_F32, ACT_BF16 (builds with AVX512-BF16) or ACT_INT8 (AVX2 and AVX-512 builds); returns
+   the mode in effect: ACT_F32 where the build lacks the one asked for */
+int linear_q_set_activations(int mode) {
+    act_mode = (mode == ACT_BF16 && BF_DOT) || (mode == ACT_INT8 && DOT) ? mode : ACT_F32;
+    return act_mode;
 }
 
 /* bytes per 32-weight block of one panel */
@@ -469,6 +476,123 @@ static int linear_dot(const float *x, const uint8_t *ws, const float *bias, floa
 }
 #endif
 
+/* ---- bfloat16 activations: AVX512-BF16 dot products over 4-bit weights ------------------- */
+#if BF_DOT
+
+#define BF_CHUNK 8 /* 32-weight blocks per K chunk: a chunk's quants are 16 KiB, L1-resident */
+
+/* Blocks b0 .. b1 of a panel's 4-bit quants as bfloat16 pairs for vdpbf16ps:
+   out[((b - b0) * 16 + p) * 2 P + 2 o + j] is output o's quant 2p + j of block b, an integer
+   0..15, exact in bfloat16. d and m stay in the panel's records and scale each block's sums in
+   float32, so the weights are exact and only x is rounded. */
+static void unpack_bf16(const uint8_t *panel, uint16_t *out, int64_t b0, int64_t b1) {
+    const int64_t rec = record_bytes(Q4);
+    const vi low = (vi){0} + 0xff, nib = (vi){0} + 0x0f0f0f0f;
+    for (int64_t b = b0; b < b1; b++) {
+        const uint8_t *qs = panel + b * rec + 4 * P;
+        uint16_t *ob = out + (b - b0) * (QK / 2) * 2 * P;
+        for (int g = 0; g < 4; g++)
+            for (int h = 0; h < 2; h++) {
+                const vi v = quads(qs + 4 * P * g + 4 * LANES * h);
+                for (int half = 0; half < 2; half++) {  /* quants 4g.., then 16 + 4g.. */
+                    const vi n = (v >> (4 * half)) & nib;
+                    for (int j = 0; j < 2; j++) {  /* the pairs (4g, 4g + 1), (4g + 2, 4g + 3) */
+                        /* a small integer's float32 bits end in 16 zero bits: its bfloat16 is
+                           the top half */
+                        const vu a = (vu)__builtin_convertvector((n >> (16 * j)) & low, vf);
+                        const vu c = (vu)__builtin_convertvector((n >> (16 * j + 8)) & low, vf);
+                        const vu pair = (a >> 16) | (c & 0xffff0000u);
+                        const int p = 8 * half + 2 * g + j;
+                        memcpy(ob + p * 2 * P + 2 * LANES * h, &pair, sizeof pair);
+                    }
+                }
+            }
+    }
+}
+
+/* Rows m0 .. m0+MT over blocks b0 .. b1: each block's 16 pairs into block sums s (vdpbf16ps),
+   then acc += d s + m sum(x) in float32; acc starts from y's partial sums after the first
+   chunk, and the bias joins at the last */
+KERNEL_INLINE void bf16_tile(const uint16_t *xb, const float *xsum, const uint16_t *qw,
+                             const uint8_t *panel, const float *bias, float *y, int64_t N,
+                             int64_t K, int64_t b0, int64_t b1, int64_t m0, int64_t n0, int MT) {
+    vf acc[8][2];
+    const uint16_t *xr[BF_MT];
+    const float *sr[BF_MT];
+    for (int i = 0; i < MT; i++) {
+        acc[i][0] = acc[i][1] = (vf){0};
+        xr[i] = xb + (m0 + i) * K;
+        sr[i] = xsum + (m0 + i) * (K / QK);
+    }
+    if (b0 > 0) load_rows(acc, y, N, m0, n0, MT);
+    const int64_t rec = record_bytes(Q4);
+    for (int64_t b = b0; b < b1; b++) {
+        __m512 s[BF_MT][2];
+        for (int i = 0; i < MT; i++) s[i][0] = s[i][1] = _mm512_setzero_ps();
+        const uint16_t *qb = qw + (b - b0) * (QK / 2) * 2 * P;
+        for (int p = 0; p < QK / 2; p++) {
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(qb + p * 2 * P);
+            const __m512bh w1 = (__m512bh)_mm512_loadu_si512(qb + p * 2 * P + 2 * LANES);
+            for (int i = 0; i < MT; i++) {
+                uint32_t pair;
+                memcpy(&pair, xr[i] + b * QK + 2 * p, sizeof pair);
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);
+                s[i][0] = _mm512_dpbf16_ps(s[i][0], xv, w0);
+                s[i][1] = _mm512_dpbf16_ps(s[i][1], xv, w1);
+            }
+        }
+        const uint8_t *r = panel + b * rec;
+        const vf d0 = halves(r), d1 = halves(r + 2 * LANES);
+        const vf o0 = halves(r + 2 * P), o1 = halves(r + 2 * P + 2 * LANES);
+        for (int i = 0; i < MT; i++) {
+            acc[i][0] += d0 * (vf)s[i][0] + o0 * sr[i][b];
+            acc[i][1] += d1 * (vf)s[i][1] + o1 * sr[i][b];
+        }
+    }
+    store_rows(acc, b1 == K / QK ? bias : NULL, y, N, m0, n0, MT);
+}
+
+/* One panel against all M rows, a K chunk at a time: the chunk's quants unpacked once into qw
+   (the unpacking is 1/M of the products) and kept in L1 while every row tile passes (a whole
+   panel's, 96 KiB at K = 1536, streamed from L2 for each tile: 0.75x the float32 tiles) */
+static void bf16_panel(const uint16_t *xb, const float *xsum, uint16_t *qw, const uint8_t *panel,
+                       const float *bias, float *y, int64_t M, int64_t N, int64_t K, int64_t n0) {
+    for (int64_t b0 = 0; b0 < K / QK; b0 += BF_CHUNK) {
+        const int64_t b1 = b0 + BF_CHUNK < K / QK ? b0 + BF_CHUNK : K / QK;
+        unpack_bf16(panel, qw, b0, b1);
+        int64_t m = 0;
+        for (; m + BF_MT <= M; m += BF_MT)
+            bf16_tile(xb, xsum, qw, panel, bias, y, N, K, b0, b1, m, n0, BF_MT);
+        switch (M - m) {
+            case 5: bf16_tile(xb, xsum, qw, panel, bias, y, N, K, b0, b1, m, n0, 5); break;
+            case 4: bf16_tile(xb, xsum, qw, panel, bias, y, N, K, b0, b1, m, n0, 4); break;
+            case 3: bf16_tile(xb, xsum, qw, panel, bias, y, N, K, b0, b1, m, n0, 3); break;
+            case 2: bf16_tile(xb, xsum, qw, panel, bias, y, N, K, b0, b1, m, n0, 2); break;
+            case 1: bf16_tile(xb, xsum, qw, panel, bias, y, N, K, b0, b1, m, n0, 1); break;
+            default: break;
+        }
+    }
+}
+#endif
+
+/* x rounded to bfloat16 (to nearest even), as float32 in xr and, for the dot products, as
+   bfloat16 in xb (NULL: not wanted) */
+static void round_bf16(const float *x, int64_t n, float *xr, uint16_t *xb) {
+    int64_t i = 0;
+#if BF_DOT
+    for (; i + 16 <= n; i += 16) {
+        const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i));
+        if (xb) _mm256_storeu_si256((void *)(xb + i), h);
+        _mm512_storeu_si512(xr + i, _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+#endif
+    for (; i < n; i++) {
+        const uint16_t h = float_to_bf16(x[i]);
+        xr[i] = bf16_to_float(h);
+        if (xb) xb[i] = h;
+    }
+}
+
 /* One panel against rows m0..m1 of x: unpacked once into `unpacked` for a block of rows (when
    there is a workspace), else per tile in registers. */
 static void q_panel(int qtype, const float *x, const uint8_t *panel, float *unpacked,
@@ -502,12 +626,55 @@ int linear_q(const void *x, const void *w, const void *bias, void *y, int64_t M,
     const uint8_t *ws = (const uint8_t *)w + Q_HEADER;
     float *ys = y;
 #if DOT
-    if (h.qtype == Q4 && M <= dot_rows && !linear_dot(xs, ws, bs, ys, M, N, K, num_threads))
+    if (h.qtype == Q4 && act_mode == ACT_INT8 && !linear_dot(xs, ws, bs, ys, M, N, K, num_threads))
         return 0;
 #endif
     const int64_t panels = (N + P - 1) / P, panel_size = K / QK * record_bytes(h.qtype);
+    /* bfloat16 activations: every 4-bit path multiplies x rounded to bfloat16, the dot-product
+       tiles (calls of more than MIXED_ROWS rows) its bfloat16 copy xb with each row's block sums
+       xsum; without memory for them, float32 x */
+    float *xround = NULL, *xsum = NULL;
+    uint16_t *xb = NULL;
+    if (h.qtype == Q4 && act_mode == ACT_BF16) {
+        const int dots = BF_DOT && M > MIXED_ROWS;
+        xround = malloc((size_t)(M * K) * sizeof(float)
+                        + (dots ? (size_t)(M * K / QK) * sizeof(float) + (size_t)(M * K) * 2 : 0));
+        if (xround != NULL) {
+            if (dots) {
+                xsum = xround + M * K;
+                xb = (uint16_t *)(xsum + M * K / QK);
+            }
+            round_bf16(xs, M * K, xround, xb);
+            xs = xround;
+            for (int64_t b = 0; xsum != NULL && b < M * (K / QK); b++) {
+                float t = 0;
+                for (int j = 0; j < QK; j++) t += xs[b * QK + j];
+                xsum[b] = t;
+            }
+        }
+    }
+#if BF_DOT
+    if (xb != NULL) {
+        int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+        {
+            uint16_t *qw = malloc((size_t)(BF_CHUNK * QK * P) * sizeof(uint16_t));
+            if (qw != NULL) {
+                FOR_PANELS(t, panels, M, bf16_panel(xb, xsum, qw, ws + t * panel_size, bs, ys, M,
+                                                    N, K, t * P))
+            }
+            failed = qw == NULL;
+            free(qw);
+        }
+        if (!failed) {
+            free(xround);
+            return 0;
+        }
+        xsum = NULL;  /* no workspace: the float32 tiles over the rounded x */
+    }
+#endif
     /* few rows of 4-bit weights: x scaled per position and its block sums (q4_tile_hoisted) */
-    float *xscaled = NULL, *xsum = NULL;
+    float *xscaled = NULL;
     if (h.qtype == Q4 && M <= HOIST_ROWS
         && (xscaled = malloc((size_t)(M * K + M * K / QK) * sizeof(float)))) {
         xsum = xscaled + M * K;
@@ -528,11 +695,12 @@ int linear_q(const void *x, const void *w, const void *bias, void *y, int64_t M,
         for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
             const int64_t m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
             FOR_PANELS(t, panels, M,
-                       q_panel(h.qtype, xsum ? xscaled : xs, ws + t * panel_size, unpacked,
+                       q_panel(h.qtype, xscaled ? xscaled : xs, ws + t * panel_size, unpacked,
                                xsum, bs, ys, m0, m1, N, K, t * P))
         }
         free(unpacked);
     }
     free(xscaled);
+    free(xround);
     return 0;
 }

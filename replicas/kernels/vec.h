@@ -88,6 +88,21 @@ KERNEL_INLINE void store_rows(vf acc[8][2], const float *bias, float *y, int64_t
     }
 }
 
+/* acc = rows m0 .. m0+MT of y, columns n0 .. n0+PANEL_MIXED (those below N): partial sums a
+   tile goes on from */
+KERNEL_INLINE void load_rows(vf acc[8][2], const float *y, int64_t N, int64_t m0, int64_t n0,
+                             int MT) {
+    for (int h = 0; h < 2; h++) {
+        const int64_t c0 = n0 + LANES * h;
+        if (c0 >= N) break;
+        for (int i = 0; i < MT; i++) {
+            const float *row = y + (m0 + i) * N + c0;
+            if (N - c0 >= LANES) memcpy(&acc[i][h], row, sizeof(vf));
+            else for (int64_t c = c0; c < N; c++) acc[i][h][c - c0] = row[c - c0];
+        }
+    }
+}
+
 /* acc[m] += x[m][k] * (w0, w1) for the tile's MT rows */
 KERNEL_INLINE void add_rows(vf acc[8][2], const float *const xr[8], int64_t k, vf w0, vf w1,
                             int MT) {

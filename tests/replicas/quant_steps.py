@@ -1,7 +1,7 @@
 """Multiplies seeded inputs by block-quantized weights with `kernels.linear_q` in a process of its
 own, so that `SHARDSERVE_ISA` picks the kernels' build: `python -m tests.replicas.quant_steps OUT`
-saves {case: (kernel output, reference)} to OUT, the reference the dequantize-then-matmul product,
-or where the build multiplies 8-bit activations (4-bit weights, few rows) `quant.dot_reference`."""
+saves {case: (kernel output, reference)} to OUT, the reference the dequantize-then-matmul product
+of x (rounded to bfloat16 in that mode) or, with 8-bit activations, `quant.dot_reference`."""
 
 from __future__ import annotations
 
@@ -18,25 +18,25 @@ SHAPES = [(70, 96, 1, False), (50, 576, 2, True), (33, 32, 5, True), (96, 160, 4
 
 
 def cases() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Each format and shape with float32 activations, then with 8-bit ones where the build has
-    them (SHARDSERVE_INT8_ACTIVATIONS=1 in the environment)."""
+    """Each format and shape in each activation mode the build runs (kernels.QUANT_ACTIVATIONS:
+    float32 everywhere, bfloat16 with AVX512-BF16, int8 on the AVX2 and AVX-512 builds)."""
     from replicas import kernels
-    lib, dot_rows = kernels.load(), kernels.quant_dot_rows()
-    lib.linear_q_set_dot_rows(0)
-    out = _cases()
-    if dot_rows:
-        lib.linear_q_set_dot_rows(dot_rows)
-        out |= _cases()
+    lib, out = kernels.load(), {}
+    for mode, name in enumerate(kernels.QUANT_ACTIVATIONS):
+        if lib.linear_q_set_activations(mode) == mode:
+            out |= _cases(name)
     return out
 
 
-def _cases() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def _cases(activations: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
     from replicas import kernels, quant
     out = {}
     for fmt in (quant.Q4_0, quant.Q4_1, quant.Q8_0):
+        if fmt is quant.Q8_0 and activations != "float32":
+            continue  # the modes are 4-bit weights' alone
         for n, k, rows, has_bias in SHAPES:
             g = torch.Generator().manual_seed(n * 1000 + k + fmt.ggml_type)
             w = torch.randn(n, k, generator=g)
@@ -46,10 +46,12 @@ def _cases() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
             bias = torch.randn(n, generator=g) if has_bias else None
             packed = quant.pack(raw, fmt, kernels.float32_panel())
             got = kernels.linear_q(x, packed, n, bias)
-            dot = fmt is not quant.Q8_0 and rows <= kernels.quant_dot_rows()
-            ref = (quant.dot_reference(x, raw, fmt) + (0 if bias is None else bias) if dot
-                   else torch.nn.functional.linear(x, quant.dequantize(raw, fmt), bias))
-            out[f"{fmt.name} {n}x{k} rows={rows} bias={has_bias} 8-bit x={dot}"] = (got, ref)
+            if activations == "int8":
+                ref = quant.dot_reference(x, raw, fmt) + (0 if bias is None else bias)
+            else:
+                xr = x.bfloat16().float() if activations == "bfloat16" else x
+                ref = torch.nn.functional.linear(xr, quant.dequantize(raw, fmt), bias)
+            out[f"{fmt.name} {n}x{k} rows={rows} bias={has_bias} x={activations}"] = (got, ref)
     return out
 
 

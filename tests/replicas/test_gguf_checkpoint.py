@@ -20,6 +20,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from replicas import kernels, quant
+from replicas.kernels import isa
 from replicas.embedded import DEFAULT_MODEL_ID, smollm2_file
 from replicas.gguf_checkpoint import GGUFError, gguf_folder, hf_name
 from replicas.model_files import resolve_model_path
@@ -71,29 +72,38 @@ def _logits_against(reference: Any, worker: ShardWorker) -> list[tuple[float, bo
     return out
 
 
+# what each activation mode of the 4-bit linears keeps of transformers' float32 logits (the
+# largest difference over the largest logit), measured on these steps: float32 under 1e-5,
+# bfloat16 (AVX512-BF16's default) 0.3-0.7%, int8 (llama.cpp's arithmetic) 4-15%
+_BOUNDS = {"float32": 1e-4, "bfloat16": 0.02, "int8": 0.3}
+
+
 @pytest.mark.skipif(kernels.load() is None, reason="no native kernels here")
 def test_weights_stay_quantized_and_logits_match_transformers(folder: Path,
                                                               reference: Any) -> None:
-    """With float32 activations (the default) the logits are transformers' own to float32's
-    sums; with 8-bit activations in decode-sized steps (SHARDSERVE_INT8_ACTIVATIONS=1:
-    llama.cpp's arithmetic) these rows still pick transformers' token, within a bound."""
+    """In each activation mode the build runs (kernels.QUANT_ACTIVATIONS) the logits stay within
+    the mode's bound of transformers' own and every row picks transformers' token."""
     worker = _worker(folder)
     formats = worker.weight_formats()
     assert formats == {"Q8_0 embedding": 1, "Q4_1 linear_q": 120, "Q8_0 linear_q": 1}, formats
     resident = sum(p.numel() * p.element_size() for p in worker.runner.model.parameters())
     # the file's size (measured 0.98x): the tied head's packed Q8_0 panels serve the embedding
     assert resident < 1.05 * smollm2_file().stat().st_size, resident
-    rows = _logits_against(reference, worker)
-    # float32 activations: measured under 1e-5 of the largest logit
-    assert max(d for d, _ in rows) < 1e-4 and all(same for _, same in rows), rows
     lib = kernels.load()
-    if lib.linear_q_set_dot_rows(48):  # a build with integer dot products
-        try:
+    default = lib.linear_q_activations()
+    ran = []
+    try:
+        for mode, name in enumerate(kernels.QUANT_ACTIVATIONS):
+            if lib.linear_q_set_activations(mode) != mode:
+                continue  # not on this build
             rows = _logits_against(reference, worker)
-        finally:
-            lib.linear_q_set_dot_rows(0)
-        # measured: 4-15% of the largest logit on these arbitrary token sequences
-        assert all(same for _, same in rows) and max(d for d, _ in rows) < 0.3, rows
+            assert max(d for d, _ in rows) < _BOUNDS[name] and all(s for _, s in rows), (name, rows)
+            ran.append(name)
+    finally:
+        lib.linear_q_set_activations(default)
+    level = isa.selected()
+    assert ran[0] == "float32" and ("bfloat16" in ran) is (level == "avx512_bf16"), ran
+    assert ("int8" in ran) is (level in ("avx512_bf16", "avx512", "avx2")), ran
     assert worker.runner.model._native_table[1] is not None  # llama_layers_q ran the decode
 
 

@@ -82,16 +82,16 @@ def test_every_level_multiplies_every_format(level: str, tmp_path: Path) -> None
         pytest.skip(f"this CPU does not run {level}")
     out = tmp_path / "quant.pt"
     # every path of the build runs: float32 activations (few-row 4-bit, tiles, unpacked
-    # panels), then 8-bit ones where the build has them (4-bit weights, every call)
-    env = {**os.environ, isa.ENV: level, "PYTHONPATH": str(ROOT),
-           "SHARDSERVE_INT8_ACTIVATIONS": "1"}
+    # panels), then for 4-bit weights each other mode the build has (bfloat16, int8)
+    env = {**os.environ, isa.ENV: level, "PYTHONPATH": str(ROOT)}
     subprocess.run([sys.executable, "-m", "tests.replicas.quant_steps", str(out)], env=env,
                    cwd=ROOT, check=True, timeout=300, capture_output=True)
     results = torch.load(out)
-    # 3 formats x 7 shapes, and the 7 shapes again for each 4-bit format
-    assert len(results) == (21 if level == "portable" else 35), sorted(results)
-    # the builds with integer dot products take 8-bit activations for 4-bit weights, few rows
-    assert any("8-bit x=True" in case for case in results) is (level != "portable")
+    # 3 formats x 7 shapes, and the 7 shapes again for each 4-bit format in each other mode
+    modes = {"avx512_bf16": ["bfloat16", "int8"], "avx512": ["int8"], "avx2": ["int8"]}
+    assert len(results) == 21 + 14 * len(modes.get(level, [])), sorted(results)
+    for mode in modes.get(level, []):
+        assert sum(f"x={mode}" in case for case in results) == 14, sorted(results)
     for case, (got, ref) in results.items():
         # float32 sums in another order: relative to the output's scale
         torch.testing.assert_close(got, ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-5,

@@ -13,6 +13,7 @@ import pytest
 from openai import OpenAI
 
 from replicas.embedded import DEFAULT_MODEL_ID
+from replicas.kernels import isa
 from tests.conftest import running_app
 
 pytestmark = pytest.mark.skipif(__import__("torch").cuda.is_available(),
@@ -41,6 +42,9 @@ def test_version_names_the_weight_formats(client: OpenAI) -> None:
     assert models[DEFAULT_MODEL_ID]["dtype"] == "float32"
     assert models[DEFAULT_MODEL_ID]["weights"] == {"Q8_0 embedding": 1, "Q4_1 linear_q": 120,
                                                    "Q8_0 linear_q": 1}
+    # bfloat16 where the CPU has AVX512-BF16 dot products (kernels.quant_activations)
+    assert models[DEFAULT_MODEL_ID]["quant_activations"] == (
+        "bfloat16" if isa.selected() == "avx512_bf16" else "float32")
 
 
 def test_a_fact_greedy(client: OpenAI) -> None:
