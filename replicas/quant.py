@@ -1,5 +1,5 @@
 """Block-quantized weights: the GGML block formats shardserve multiplies natively (Q4_0, Q4_1,
-Q8_0; Q4_K repacked into Q4_1 blocks), their dequantization, weight-only int8 quantization of
+Q8_0; Q4_K repacked into Q4_1 blocks, Q6_K into 32-weight 6-bit blocks), their dequantization, weight-only int8 quantization of
 float weights, and the packing the native kernel reads (`kernels/quant_linear.c`: panels of
 output columns, one record per 32-weight block, behind a 64-byte header that names the type and
 shape).
@@ -7,7 +7,9 @@ shape).
 Raw weights are GGUF's own rows: a [rows, blocks * block_bytes] uint8 tensor, each block a
 float16 scale d (Q4_1: then a float16 offset m) and its quants: Q4 packs element j in the low
 nibble and element j + 16 in the high nibble of byte j; Q8_0 is 32 int8. Weight = d * q (Q8_0),
-d * (q - 8) (Q4_0), d * q + m (Q4_1)."""
+d * (q - 8) (Q4_0), d * q + m (Q4_1). Q6 (`q6_k_to_q6`, 28 bytes) is float16 d0 and d1 (the
+scales of elements 0..15 and 16..31), the quants' low nibbles as Q4's 16 bytes, then their top
+two bits in 8 bytes: byte 4h + i holds element 16h + 4g + i's at bit 2g; weight = d (q - 32)."""
 
 from __future__ import annotations
 
@@ -32,9 +34,13 @@ Q8_0 = BlockFormat("Q8_0", 8, 34)
 NATIVE: dict[int, BlockFormat] = {f.ggml_type: f for f in (Q4_0, Q4_1, Q8_0)}
 # Q4_K (most published GGUFs: Q4_K_M, Q4_K_S) is Q4_1 with a two-level scale: repacked at load
 Q4_K_TYPE, Q4_K_BYTES = 12, 144  # a super-block of 256 weights: 8 Q4_1-like blocks
+# Q6_K (Q4_K_M's output, attn_v and half its ffn_down; Q6_K files): a super-block of 256 6-bit
+# weights with 16 int8 scales under a float16 d, repacked at load into eight Q6 blocks
+Q6_K_TYPE, Q6_K_BYTES = 14, 210
+Q6 = BlockFormat("Q6_K", Q6_K_TYPE, 28)
 
 # the kernel's record types and header (quant_linear.c)
-_KERNEL_Q4, _KERNEL_Q8 = 0, 1
+_KERNEL_Q4, _KERNEL_Q8, _KERNEL_Q6 = 0, 1, 2
 _MAGIC = 0x51535353
 HEADER_BYTES = 64
 
@@ -89,11 +95,47 @@ def q4_k_to_q4_1(raw: torch.Tensor) -> torch.Tensor:
     return out.reshape(raw.shape[0], -1)
 
 
+def q6_k_to_q6(raw: torch.Tensor) -> torch.Tensor:
+    """Q6_K rows -> Q6 rows of the same weights, for the 6-bit kernel. A Q6_K super-block is
+    ql[128] (low nibbles), qh[64] (top two bits), 16 int8 scales and a float16 d; element
+    128n + 32j + l (n, j < 2 or 4, l < 32) is ql[64n + l + 32 (j % 2)]'s nibble j // 2 with
+    qh[32n + l]'s bits 2j, 2j + 1 on top (llama.cpp's `dequantize_row_q6_K`), scaled by
+    d sc[element // 16]. Each 16 elements' d sc is rounded to float16 (2^-11 of the scale: far
+    below a 6-bit step); the quants move exactly. 7 bits a weight instead of 6.56."""
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % Q6_K_BYTES:
+        raise ValueError(f"Q6_K rows must be uint8 [rows, k/256 * {Q6_K_BYTES}], "
+                         f"got {raw.dtype} {tuple(raw.shape)}")
+    b = raw.view(raw.shape[0], -1, Q6_K_BYTES)
+    rows, supers = b.shape[:2]
+    ql = b[..., :128].reshape(rows, supers, 2, 2, 32)  # [n][j % 2][l]
+    qh = b[..., 128:192].reshape(rows, supers, 2, 1, 32)  # [n][l]
+    low = torch.stack([ql & 15, ql >> 4], dim=3)  # [n][j // 2][j % 2][l]
+    top = torch.stack([(qh >> (2 * j)) & 3 for j in range(4)], dim=3).view(
+        rows, supers, 2, 2, 2, 32)  # [n][j // 2][j % 2][l]
+    q = (low | (top << 4)).reshape(rows, supers * 8, 32)  # element order, 32 a block
+    sc = b[..., 192:208].contiguous().view(torch.int8).float()
+    scale = (_halves(b[..., 208:210]).unsqueeze(-1) * sc).half()  # [rows, supers, 16]
+    if not scale.isfinite().all():
+        raise ValueError("a Q6_K scale overflows float16")
+    scales = scale.view(torch.uint8).reshape(rows, supers * 8, 4)  # d0, d1 per block
+    nibbles = (q[..., :16] & 15) | ((q[..., 16:] & 15) << 4)
+    bits = (q >> 4).reshape(rows, supers * 8, 2, 4, 4)  # [half][g][i]
+    highs = (bits << torch.tensor([0, 2, 4, 6]).view(4, 1)).sum(3, dtype=torch.uint8)
+    out = torch.cat([scales, nibbles, highs.reshape(rows, supers * 8, 8)], dim=-1)
+    return out.reshape(rows, -1)
+
+
 def dequantize(raw: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     """Raw rows -> float32 [rows, k]: the reference every kernel is tested against."""
     b = _blocks(raw, fmt)
     if fmt is Q8_0:
         w = _halves(b[..., 0:2]).unsqueeze(-1) * b[..., 2:].contiguous().view(torch.int8).float()
+    elif fmt is Q6:
+        d = _halves(b[..., 0:4].reshape(*b.shape[:2], 2, 2))  # [rows, blocks, 2]: d0, d1
+        nibbles, bits = b[..., 4:20], b[..., 20:28].reshape(*b.shape[:2], 2, 1, 4)
+        top = torch.stack([(bits >> (2 * g)) & 3 for g in range(4)], dim=3)  # [half][g][i]
+        q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1) | (top.reshape(*b.shape[:2], 32) << 4)
+        w = (d.repeat_interleave(16, dim=-1) * (q.float() - 32))
     else:
         d, m, q = _q4(b, fmt)
         w = d.unsqueeze(-1) * q + m.unsqueeze(-1)
@@ -118,7 +160,7 @@ def dot_reference(x: torch.Tensor, raw: torch.Tensor, fmt: BlockFormat) -> torch
     """What `linear_q` computes for 4-bit weights with 8-bit activations (as llama.cpp's Q8_1
     activations): each row's block of 32 x rounded to int8 with dx = max|x| / 127, then
     sum(x w) = d dx sum(qx q) + m sum(x) per block (Q4_0: m = -8 d). x [rows, k] float32."""
-    if fmt is Q8_0:
+    if fmt is Q8_0 or fmt is Q6:
         raise ValueError("8-bit activations are used with 4-bit weights only")
     d, m, q = _q4(_blocks(raw, fmt), fmt)
     xb = x.float().reshape(x.shape[0], -1, BLOCK)
@@ -147,7 +189,7 @@ def packed_rows(packed: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, 
     magic, kernel_type, n, k, panel = struct.unpack_from("<IIqqI", packed[:HEADER_BYTES].numpy())
     if magic != _MAGIC:
         raise ValueError("not a packed quantized weight")
-    fmt = Q8_0 if kernel_type == _KERNEL_Q8 else Q4_1
+    fmt = {_KERNEL_Q8: Q8_0, _KERNEL_Q4: Q4_1, _KERNEL_Q6: Q6}[kernel_type]
     scales, blocks = (2 if fmt is Q8_0 else 4), k // BLOCK
     records = packed[HEADER_BYTES:].view(-1, blocks, panel * fmt.block_bytes)
     rec = records[ids // panel]  # [rows, blocks, record]: each row's panel
@@ -180,12 +222,12 @@ def pack(raw: torch.Tensor, fmt: BlockFormat, panel: int) -> torch.Tensor:
         b = torch.cat([b, b.new_zeros(padded_n - n, *b.shape[1:])])
     # [panels, panel, blocks, bytes] -> [panels, blocks, panel, bytes]
     r = b.view(padded_n // panel, panel, blocks, -1).transpose(1, 2)
-    scales = 4 if fmt is Q4_1 or fmt is Q4_0 else 2  # d (and m), float16 each
+    scales = 2 if fmt is Q8_0 else 4  # d (and m, or Q6's second d), float16 each
     # the quants as [groups of 4 positions][panel][4]: four consecutive bytes per output
     q = r[..., scales:]
     q = q.reshape(*q.shape[:3], -1, 4).permute(0, 1, 3, 2, 4)
     parts = [r[..., 0:2], q] if fmt is Q8_0 else [r[..., 0:2], r[..., 2:4], q]
-    kernel_type = _KERNEL_Q8 if fmt is Q8_0 else _KERNEL_Q4
+    kernel_type = {Q8_0: _KERNEL_Q8, Q6: _KERNEL_Q6}.get(fmt, _KERNEL_Q4)
     records = torch.cat([part.reshape(part.shape[0], blocks, -1) for part in parts], dim=-1)
     header = bytearray(HEADER_BYTES)
     struct.pack_into("<IIqqI", header, 0, _MAGIC, kernel_type, n, k, panel)

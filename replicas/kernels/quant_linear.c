@@ -1,38 +1,47 @@
-/* float32 linear layers over block-quantized weights (GGUF's Q4_0, Q4_1 and Q8_0, and
-   `--quantization int8`): y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]), the weight kept in its
-   4- or 8-bit blocks and unpacked inside the matmul, so a decode step reads 4.5 to 8.5 bits a
-   weight instead of 16 or 32.
+/* float32 linear layers over block-quantized weights (GGUF's Q4_0, Q4_1 and Q8_0, Q4_K and
+   Q6_K as repacked by quant.py, and `--quantization int8`): y[M, N] = x[M, K] @ W[N, K]^T
+   (+ bias[N]), the weight kept in its 4-, 6- or 8-bit blocks and unpacked inside the matmul, so a
+   decode step reads 4.5 to 8.5 bits a weight instead of 16 or 32.
 
    Every 32 consecutive weights of an output row share a float16 scale d (and, for 4-bit, an
    offset m): w = d * q + m with q in 0..15 (Q4_0 is d * (q - 8), packed as m = -8 d), or
-   w = d * q with q in -128..127. The packed weight is panels of PANEL_MIXED output columns (two
+   w = d * q with q in -128..127, or (6-bit, Q6_K's) w = d_h * (q - 32) with q in 0..63 and a
+   scale per 16 weights (d_0 for weights 0..15, d_1 for 16..31). The packed weight is panels of PANEL_MIXED output columns (two
    vectors, as linear_mixed), each a run of records, one per 32-weight block:
 
        4-bit: d[P] f16 | m[P] f16 | q[4][P][4] bytes: byte (g, o, i) holds output o's weight
               4g + i in its low nibble and weight 16 + 4g + i in its high nibble
        8-bit: d[P] f16 | q[8][P][4] int8: byte (g, o, i) is output o's weight 4g + i
+       6-bit: d_0[P] f16 | d_1[P] f16 | q[4][P][4] as 4-bit's (the low nibbles) | h[2][P][4]:
+              byte (h, o, i) holds the top two bits of output o's weight 16h + 4g + i at bit 2g
 
    so a load of 4 * LANES bytes gives LANES outputs four consecutive weights each: the shape of
    the integer dot-product instructions (AVX512-VNNI's vpdpbusd: four u8 x s8 products summed
    into each 32-bit lane; AVX2's vpmaddubsw + vpmaddwd).
 
-   Two ways to multiply:
-   - float32 (every build; prefill-sized calls everywhere): weights unpacked (mask or shift,
-     convert, one FMA with d and m) and multiplied in float32 tiles, a panel unpacked once per
-     48-row block where a block has more rows than a tile; 4-bit calls of 1-4 rows (1-2 on
-     16-register ISAs) take d and m out of the loop and mask nibbles in place
-     (q4_tile_hoisted): 1.15-1.36x faster per call; 8-bit ones take d out of the loop
-     (q8_tile_hoisted): a Q8_0 LM head of 49,152 x 576 at one row 1.40x;
-   - 8-bit activations, opt-in (4-bit weights, calls of any size, on the AVX2 and AVX-512
-     builds: vpdpbusd with VNNI, else vpmaddubsw + vpmaddwd): as llama.cpp does, each row's block of 32 activations becomes int8 with a
-     float scale (dx = max|x| / 127) and the block's products are integer dot products:
-     sum(x w) ~ d dx sum(qx q) + m sum(x). A decode step's unpacking was ~18 vector operations
-     per 64 weights in float32; here 64 products take 2 instructions (VNNI) plus a share of the
-     nibble split: 3x faster at one row, 2.7x at 32. The same arithmetic as llama.cpp's Q4 x Q8_1
-     dot products; the activations' rounding moves a product by ~0.5-1% of the largest, and a
-     135M model's greedy answers with it are llama.cpp's, not transformers' ("What is the capital
-     of France?": "L'Etoile, la Marseillaise, ..." from both, "The capital of France is Paris."
-     in float32): off unless SHARDSERVE_INT8_ACTIVATIONS=1.
+   What 4-bit weights multiply is a mode (linear_q_set_activations; SHARDSERVE_QUANT_ACTIVATIONS
+   from Python), the same for every call, so a row's result does not depend on the rows beside it:
+   - float32 (every build; 8-bit weights always): weights unpacked (mask or shift, convert, one
+     FMA with d and m) and multiplied in float32 tiles, a panel unpacked once per 48-row block
+     where a block has more rows than a tile; 4-bit calls of 1-4 rows (1-2 on 16-register ISAs)
+     take d and m out of the loop and mask nibbles in place (q4_tile_hoisted): 1.15-1.36x faster
+     per call; 8-bit ones take d out of the loop (q8_tile_hoisted): a Q8_0 LM head of
+     49,152 x 576 at one row 1.40x;
+   - bfloat16 (AVX512-BF16 builds; their default): x rounded to bfloat16 once per call; calls of
+     more than MIXED_ROWS rows unpack each panel's quants, a K chunk at a time, into bfloat16
+     pairs (integers 0..15, exact) and sum each block's products with vdpbf16ps, then scale the
+     block sums by d and add m sum(x) in float32: the weights stay exact, only x is rounded
+     (~0.4% of a product), and a 135M model's greedy answers stay transformers' ("The capital of
+     France is Paris."). 1.4-1.7x the float32 tiles at 48-512 rows on Zen 4 (~300 GFLOP/s of the
+     ~450 the instruction peaks at); calls of fewer rows run the float32 tiles over the rounded x;
+   - int8 (AVX2 and AVX-512 builds): as llama.cpp does, each row's block of 32 activations
+     becomes int8 with a float scale (dx = max|x| / 127) and the block's products are integer dot
+     products (vpdpbusd with VNNI, else vpmaddubsw + vpmaddwd): sum(x w) ~ d dx sum(qx q) +
+     m sum(x). 64 products take 2 instructions (VNNI) plus a share of the nibble split: 2.4-3x the
+     float32 path at every size. The same arithmetic as llama.cpp's Q4 x Q8_1 dot products; the
+     activations' rounding moves a product by ~0.5-1% of the largest, and a 135M model's greedy
+     answers with it are llama.cpp's, not transformers' ("What is the capital of France?":
+     "L'Etoile, la Marseillaise, ..." from both).
 
    A 64-byte header in front says the type and the shape, and the kernel refuses a buffer whose
    header does not match its arguments. */
@@ -48,7 +57,7 @@
 #define QK 32
 #define Q_HEADER 64
 #define Q_MAGIC 0x51535353u /* "SSSQ" */
-enum { Q4 = 0, Q8 = 1 };
+enum { Q4 = 0, Q8 = 1, Q6 = 2 };
 
 #if VBYTES == 64 && defined(__AVX512BW__)
 #define DOT 1
@@ -90,6 +99,7 @@ int linear_q_set_activations(int mode) {
 
 /* bytes per 32-weight block of one panel */
 static int64_t record_bytes(uint32_t qtype) {
+    if (qtype == Q6) return (int64_t)PANEL_MIXED * (4 + QK / 2 + QK / 4);
     return qtype == Q4 ? (int64_t)PANEL_MIXED * (4 + QK / 2) : (int64_t)PANEL_MIXED * (2 + QK);
 }
 
@@ -169,6 +179,28 @@ KERNEL_INLINE void q8_block(const uint8_t *r, int h, vf w[QK]) {
     }
 }
 
+/* 6-bit weight 16 half + 4g + i of LANES outputs: its low nibble from the 4-bit layout's quads v,
+   its top two bits at bit 8 i + 2g of the half's high-bit quads vh, times d plus m (m = -32 d) */
+KERNEL_INLINE vf q6_weight(vi v, vi vh, int half, int g, int i, vf d, vf o) {
+    const vi lo = (v >> (8 * i + 4 * half)) & ((vi){0} + 15);
+    const vi hi = ((vh >> (8 * i + 2 * g)) & ((vi){0} + 3)) << 4;
+    return __builtin_convertvector(lo | hi, vf) * d + o;
+}
+
+KERNEL_INLINE void q6_block(const uint8_t *r, int h, vf w[QK]) {
+    const vf d0 = halves(r + 2 * LANES * h), d1 = halves(r + 2 * P + 2 * LANES * h);
+    const vf o0 = d0 * -32.0f, o1 = d1 * -32.0f;
+    const uint8_t *qs = r + 4 * P + 4 * LANES * h, *qh = qs + 16 * P;
+    const vi h0 = quads(qh), h1 = quads(qh + 4 * P);
+    for (int g = 0; g < 4; g++) {
+        const vi v = quads(qs + 4 * P * g);
+        for (int i = 0; i < 4; i++) {
+            w[4 * g + i] = q6_weight(v, h0, 0, g, i, d0, o0);
+            w[16 + 4 * g + i] = q6_weight(v, h1, 1, g, i, d1, o1);
+        }
+    }
+}
+
 /* Rows m0 .. m0+MT of x times one panel, each group of four weights positions unpacked once
    for the tile's rows (MT a constant at each call: the accumulators stay in registers). */
 KERNEL_INLINE void q4_tile(const float *x, const uint8_t *panel, const float *bias, float *y,
@@ -209,6 +241,34 @@ KERNEL_INLINE void q8_tile(const float *x, const uint8_t *panel, const float *bi
             for (int i = 0; i < 4; i++)
                 add_rows(acc, xr, b * QK + 4 * g + i, q8_weight(v0, i, d0), q8_weight(v1, i, d1),
                          MT);
+        }
+    }
+    store_rows(acc, bias, y, N, m0, n0, MT);
+}
+
+KERNEL_INLINE void q6_tile(const float *x, const uint8_t *panel, const float *bias, float *y,
+                           int64_t N, int64_t K, int64_t m0, int64_t n0, int MT) {
+    vf acc[8][2];
+    for (int i = 0; i < MT; i++) acc[i][0] = acc[i][1] = (vf){0};
+    const float *xr[8];
+    for (int i = 0; i < MT; i++) xr[i] = x + (m0 + i) * K;
+    const int64_t rec = record_bytes(Q6);
+    for (int64_t b = 0; b < K / QK; b++) {
+        const uint8_t *r = panel + b * rec, *qs = r + 4 * P, *qh = qs + 16 * P;
+        /* [output vector][half]: the scales of weights 0..15 and 16..31, and their high bits */
+        const vf d[2][2] = {{halves(r), halves(r + 2 * P)},
+                            {halves(r + 2 * LANES), halves(r + 2 * P + 2 * LANES)}};
+        const vi vh[2][2] = {{quads(qh), quads(qh + 4 * P)},
+                             {quads(qh + 4 * LANES), quads(qh + 4 * P + 4 * LANES)}};
+        for (int g = 0; g < 4; g++) {
+            const vi v0 = quads(qs + 4 * P * g), v1 = quads(qs + 4 * P * g + 4 * LANES);
+            for (int i = 0; i < 4; i++)
+                for (int half = 0; half < 2; half++)
+                    add_rows(acc, xr, b * QK + 16 * half + 4 * g + i,
+                             q6_weight(v0, vh[0][half], half, g, i, d[0][half],
+                                       d[0][half] * -32.0f),
+                             q6_weight(v1, vh[1][half], half, g, i, d[1][half],
+                                       d[1][half] * -32.0f), MT);
         }
     }
     store_rows(acc, bias, y, N, m0, n0, MT);
@@ -344,6 +404,7 @@ static void q8_panel_hoisted(const float *x, const uint8_t *panel, const float *
 
 PANEL_ROWS(q4_panel_rows, q4_tile, uint8_t)
 PANEL_ROWS(q8_panel_rows, q8_tile, uint8_t)
+PANEL_ROWS(q6_panel_rows, q6_tile, uint8_t)
 
 /* Where a row block has more rows than a tile (prefill), each tile would unpack the panel again:
    the panel is unpacked once per row block into float32 [K][P] (thread-local, L2-sized) and the
@@ -354,6 +415,7 @@ static void unpack(uint32_t qtype, const uint8_t *panel, float *out, int64_t K) 
         for (int h = 0; h < 2; h++) {
             vf w[QK];
             if (qtype == Q4) q4_block(panel + b * rec, h, w);
+            else if (qtype == Q6) q6_block(panel + b * rec, h, w);
             else q8_block(panel + b * rec, h, w);
             for (int k = 0; k < QK; k++)
                 memcpy(out + (b * QK + k) * P + h * LANES, &w[k], sizeof(vf));
@@ -605,6 +667,8 @@ static void q_panel(int qtype, const float *x, const uint8_t *panel, float *unpa
         f32_panel_rows(x, unpacked, bias, y, m0, m1, N, K, n0);
     } else if (qtype == Q4) {
         q4_panel_rows(x, panel, bias, y, m0, m1, N, K, n0);
+    } else if (qtype == Q6) {
+        q6_panel_rows(x, panel, bias, y, m0, m1, N, K, n0);
     } else if (m1 - m0 <= HOIST_ROWS) {
         q8_panel_hoisted(x, panel, bias, y, m0, m1, N, K, n0);
     } else {
@@ -620,7 +684,7 @@ int linear_q(const void *x, const void *w, const void *bias, void *y, int64_t M,
     QHeader h;
     memcpy(&h, w, sizeof h);
     if (h.magic != Q_MAGIC || h.n != N || h.k != K || K % QK || h.panel != PANEL_MIXED
-        || (h.qtype != Q4 && h.qtype != Q8))
+        || (h.qtype != Q4 && h.qtype != Q8 && h.qtype != Q6))
         return 2;
     const float *xs = x, *bs = bias;
     const uint8_t *ws = (const uint8_t *)w + Q_HEADER;

@@ -34,14 +34,20 @@ def _cases(activations: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
 
     from replicas import kernels, quant
     out = {}
-    for fmt in (quant.Q4_0, quant.Q4_1, quant.Q8_0):
-        if fmt is quant.Q8_0 and activations != "float32":
+    for fmt in (quant.Q4_0, quant.Q4_1, quant.Q8_0, quant.Q6):
+        if fmt in (quant.Q8_0, quant.Q6) and activations != "float32":
             continue  # the modes are 4-bit weights' alone
         for n, k, rows, has_bias in SHAPES:
             g = torch.Generator().manual_seed(n * 1000 + k + fmt.ggml_type)
-            w = torch.randn(n, k, generator=g)
-            raw = torch.from_numpy(np.ascontiguousarray(
-                quantize(w.numpy(), GGMLQuantizationType(fmt.ggml_type))))
+            if fmt is quant.Q6:  # every bit pattern of the quants, sane float16 scales
+                raw = torch.randint(0, 256, (n, k // 32, 28), dtype=torch.uint8, generator=g)
+                raw[..., :4] = (torch.rand(n, k // 32, 2, generator=g) * 0.02 - 0.01).half() \
+                    .view(torch.uint8).reshape(n, k // 32, 4)
+                raw = raw.reshape(n, -1)
+            else:
+                w = torch.randn(n, k, generator=g)
+                raw = torch.from_numpy(np.ascontiguousarray(
+                    quantize(w.numpy(), GGMLQuantizationType(fmt.ggml_type))))
             x = torch.randn(rows, k, generator=g)
             bias = torch.randn(n, generator=g) if has_bias else None
             packed = quant.pack(raw, fmt, kernels.float32_panel())

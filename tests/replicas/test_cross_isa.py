@@ -24,6 +24,7 @@ from gguf.quants import quantize as gguf_quantize
 
 from replicas import kernels, quant
 from replicas.models.rope import apply_rotary
+from tests.replicas.k_quants import q6_k
 from tests.replicas.test_kernels import BLOCK, _case, _reference
 
 CC, QEMU, SYSROOT = "aarch64-linux-gnu-gcc", "qemu-aarch64", Path("/usr/aarch64-linux-gnu")
@@ -102,13 +103,17 @@ def test_linear_mixed(cross: Cross, rows: int, n: int, k: int) -> None:
     torch.testing.assert_close(got, F.linear(x, w, bias), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("fmt", [quant.Q4_0, quant.Q4_1, quant.Q8_0], ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", [quant.Q4_0, quant.Q4_1, quant.Q8_0, quant.Q6],
+                         ids=lambda f: f.name)
 @pytest.mark.parametrize("rows", [1, 3, 9, 50])  # decode rows, a tile and a tail, row blocks
 def test_linear_q(cross: Cross, fmt: quant.BlockFormat, rows: int) -> None:
     g = torch.Generator().manual_seed(rows)
-    n, k = 21, 96  # rows of the weight not a multiple of the panel
+    n, k = 21, 256  # rows of the weight not a multiple of the panel
+    w = torch.randn(n, k, generator=g).numpy()
     raw = torch.from_numpy(np.ascontiguousarray(gguf_quantize(
-        torch.randn(n, k, generator=g).numpy(), GGMLQuantizationType(fmt.ggml_type))))
+        w, GGMLQuantizationType(fmt.ggml_type)) if fmt is not quant.Q6 else q6_k(w)))
+    if fmt is quant.Q6:
+        raw = quant.q6_k_to_q6(raw)
     x = torch.randn(rows, k, generator=g)
     out = torch.empty(rows, n)
     failed, (*_, got) = cross("linear_q", x, quant.pack(raw, fmt, 8), None, out, rows, n, k,

@@ -26,6 +26,7 @@ from replicas.gguf_checkpoint import GGUFError, gguf_folder, hf_name
 from replicas.model_files import resolve_model_path
 from replicas.worker import ShardWorker, WorkerConfig
 from tests.replicas import isa_steps
+from tests.replicas.k_quants import q4_k, q6_k
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="workers pick the GPU")
 
@@ -122,35 +123,10 @@ def test_dequantized_where_the_kernels_do_not_run(folder: Path) -> None:
     assert not any("Q4_1" in kind for kind in worker.weight_formats())
 
 
-def q4_k(w: np.ndarray) -> np.ndarray:
-    """float [n, k] (k a multiple of 256) -> Q4_K rows, a plain min/max quantizer (gguf-py has
-    no K-quant quantizer; llama.cpp's searches its scales, which changes no byte's meaning):
-    per 32 weights a 6-bit scale and min under the super-block's float16 d and dmin."""
-    n, k = w.shape
-    sub = w.astype(np.float32).reshape(n, k // 256, 8, 32)
-    low = np.minimum(sub.min(-1), 0)
-    scale, mins = (sub.max(-1) - low) / 15, -low
-    d = (scale.max(-1, keepdims=True) / 63).astype(np.float16)
-    dmin = (mins.max(-1, keepdims=True) / 63).astype(np.float16)
-    sc = np.clip(np.round(scale / np.maximum(d.astype(np.float32), 1e-30)), 0, 63).astype(np.uint8)
-    m = np.clip(np.round(mins / np.maximum(dmin.astype(np.float32), 1e-30)), 0, 63).astype(np.uint8)
-    step = d.astype(np.float32) * sc
-    q = np.round((sub + (dmin.astype(np.float32) * m)[..., None])
-                 / np.where(step > 0, step, 1)[..., None])
-    q = np.clip(q, 0, 15).astype(np.uint8).reshape(n, k // 256, 4, 2, 32)
-    qs = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # sub-block 2i low nibbles, 2i + 1 high
-    scales = np.concatenate([sc[..., :4] | ((sc[..., 4:] >> 4) << 6),
-                             m[..., :4] | ((m[..., 4:] >> 4) << 6),
-                             (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)], axis=-1)
-    blocks = np.concatenate([d.view(np.uint8).reshape(n, -1, 2), dmin.view(np.uint8)
-                             .reshape(n, -1, 2), scales, qs.reshape(n, k // 256, 128)], axis=-1)
-    return np.ascontiguousarray(blocks.reshape(n, -1))
-
-
 def _q4_k_llama(path: Path) -> Path:
-    """A 2-layer Llama (hidden 256) with seeded weights: linears in Q4_K but for layer 1's
-    attn_v in Q8_0 (a K-quant mix: its fused qkv is re-quantized to Q8_0 at load), embedding
-    Q8_0, SmolLM2's tokenizer and template."""
+    """A 2-layer Llama (hidden 256) with seeded weights, a Q4_K_M-like mix: linears in Q4_K but
+    for layer 0's ffn_down in Q6_K and layer 1's attn_v in Q6_K (its fused qkv, a mix, is
+    re-quantized to Q8_0 at load), embedding Q8_0, SmolLM2's tokenizer and template."""
     rng = np.random.default_rng(5)
     hidden, ffn, heads, kv_heads, head_dim = 256, 512, 4, 2, 64
     writer = GGUFWriter(str(path), "llama")
@@ -172,10 +148,12 @@ def _q4_k_llama(path: Path) -> Path:
         if kind is None:
             writer.add_tensor(name, w)
         else:
-            raw = q4_k(w) if kind == GGMLQuantizationType.Q4_K else gguf_quantize(w, kind)
+            raw = ({GGMLQuantizationType.Q4_K: q4_k, GGMLQuantizationType.Q6_K: q6_k}
+                   .get(kind, lambda w: gguf_quantize(w, kind))(w))
             writer.add_tensor(name, raw, raw_dtype=kind)
 
-    q4k, q8 = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q8_0
+    q4k, q6k, q8 = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K,
+                    GGMLQuantizationType.Q8_0)
     add("token_embd.weight", (49152, hidden), q8)
     add("output_norm.weight", (hidden,), None)
     for i in range(2):
@@ -183,10 +161,10 @@ def _q4_k_llama(path: Path) -> Path:
                 ("attn_norm", (hidden,), None), ("ffn_norm", (hidden,), None),
                 ("attn_q", (heads * head_dim, hidden), q4k),
                 ("attn_k", (kv_heads * head_dim, hidden), q4k),
-                ("attn_v", (kv_heads * head_dim, hidden), q4k if i == 0 else q8),
+                ("attn_v", (kv_heads * head_dim, hidden), q4k if i == 0 else q6k),
                 ("attn_output", (hidden, heads * head_dim), q4k),
                 ("ffn_gate", (ffn, hidden), q4k), ("ffn_up", (ffn, hidden), q4k),
-                ("ffn_down", (hidden, ffn), q4k)):
+                ("ffn_down", (hidden, ffn), q6k if i == 0 else q4k)):
             add(f"blk.{i}.{name}.weight", shape, kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -196,20 +174,30 @@ def _q4_k_llama(path: Path) -> Path:
 
 
 @pytest.mark.skipif(kernels.load() is None, reason="no native kernels here")
-def test_q4_k_runs_as_q4_1_blocks_and_matches_transformers(tmp_path: Path) -> None:
-    """Q4_K rows become Q4_1 blocks at load (5 bits a weight, not a dequantized Q8_0's 8.5), and
-    the logits are transformers' GGUF load of the file (gguf-py's own Q4_K dequantization) up to
-    the float16 rounding of each sub-block's scale and offset."""
+def test_k_quants_run_natively_and_match_transformers(tmp_path: Path) -> None:
+    """Q4_K rows become Q4_1 blocks at load (5 bits a weight, not a dequantized Q8_0's 8.5) and
+    Q6_K rows Q6 blocks (7 bits, not 8.5), and the logits are transformers' GGUF load of the file
+    (gguf-py's own K-quant dequantization) up to the float16 rounding of each sub-block's scale
+    and offset."""
     file = _q4_k_llama(tmp_path / "q4k.gguf")
     folder = gguf_folder(file, tmp_path / "cache")
     worker = _worker(folder)
-    # qkv x 1, o, gate_up, down x 2 in Q4_1; layer 1's qkv (a Q4_K / Q8_0 mix) and the head Q8_0
-    assert worker.weight_formats() == {"Q8_0 embedding": 1, "Q4_1 linear_q": 7,
-                                       "Q8_0 linear_q": 2}, worker.weight_formats()
+    # Q4_1: layer 0's qkv, o and gate_up x 2, layer 1's down; Q6_K: layer 0's down; Q8_0:
+    # layer 1's qkv (a Q4_K / Q6_K mix) and the head
+    assert worker.weight_formats() == {"Q8_0 embedding": 1, "Q4_1 linear_q": 6,
+                                       "Q6_K linear_q": 1, "Q8_0 linear_q": 2}, \
+        worker.weight_formats()
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         str(tmp_path), gguf_file=file.name, dtype=torch.float32).eval()
-    rows = _logits_against(reference, worker)
-    # measured: 1.6e-3 of the largest logit (float32 sums over float16-rounded scales)
+    lib = kernels.load()
+    default = lib.linear_q_activations()
+    lib.linear_q_set_activations(0)  # float32: the formats' own error alone
+    try:
+        rows = _logits_against(reference, worker)
+    finally:
+        lib.linear_q_set_activations(default)
+    # measured: 5.2e-3 of the largest logit (float16-rounded scales and offsets, and layer 1's
+    # qkv re-quantized to Q8_0; 1.6e-3 with that attn_v Q8_0 in the file)
     assert max(d for d, _ in rows) < 1e-2 and all(same for _, same in rows), rows
 
 
@@ -232,6 +220,23 @@ def test_q4_k_repacks_to_the_same_weights() -> None:
     assert (got - ref).abs().max() <= scale_bound, (got - ref).abs().max()
     with pytest.raises(ValueError, match="Q4_K rows"):
         quant.q4_k_to_q4_1(raw[:, :100])
+
+
+def test_q6_k_repacks_to_the_same_weights() -> None:
+    """Every bit pattern of a Q6_K super-block (random bytes, a sane float16 d) gives the weights
+    gguf-py's dequantization gives, within a float16 rounding of each 16 weights' scale."""
+    g = torch.Generator().manual_seed(1)
+    raw = torch.randint(0, 256, (7, 3 * quant.Q6_K_BYTES), dtype=torch.uint8, generator=g)
+    raw.view(7, 3, quant.Q6_K_BYTES)[..., 208:210] = (
+        torch.rand(7, 3, 1, generator=g) * 0.01 + 1e-4).half().view(torch.uint8)
+    ref = torch.from_numpy(gguf_dequantize(raw.numpy(), GGMLQuantizationType.Q6_K)).float()
+    repacked = quant.q6_k_to_q6(raw)
+    assert repacked.shape == (7, 3 * 8 * quant.Q6.block_bytes)
+    got = quant.dequantize(repacked, quant.Q6)
+    # |q - 32| <= 32 times a scale within 2^-11 of itself
+    assert (got - ref).abs().max() <= ref.abs().max() * 2 ** -11, (got - ref).abs().max()
+    with pytest.raises(ValueError, match="Q6_K rows"):
+        quant.q6_k_to_q6(raw[:, :100])
 
 
 def _write(path: Path, arch: str, tensor_type_patch: int | None = None) -> Path:

@@ -87,9 +87,10 @@ def test_every_level_multiplies_every_format(level: str, tmp_path: Path) -> None
     subprocess.run([sys.executable, "-m", "tests.replicas.quant_steps", str(out)], env=env,
                    cwd=ROOT, check=True, timeout=300, capture_output=True)
     results = torch.load(out)
-    # 3 formats x 7 shapes, and the 7 shapes again for each 4-bit format in each other mode
+    # 4 formats x 7 shapes, and the 7 shapes again for each 4-bit format in each other mode
     modes = {"avx512_bf16": ["bfloat16", "int8"], "avx512": ["int8"], "avx2": ["int8"]}
-    assert len(results) == 21 + 14 * len(modes.get(level, [])), sorted(results)
+    assert len(results) == 28 + 14 * len(modes.get(level, [])), sorted(results)
+    assert sum(case.startswith("Q6_K") for case in results) == 7, sorted(results)
     for mode in modes.get(level, []):
         assert sum(f"x={mode}" in case for case in results) == 14, sorted(results)
     for case, (got, ref) in results.items():
