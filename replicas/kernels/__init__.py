@@ -10,7 +10,7 @@ dtype (`dtype.h`). `linear.c` replaces torch's matmul over weights packed once a
 in bf16 with AVX512-BF16 dot products (`pack_linear`: 1.4x torch at 32 rows, 1.06x at 2048, a
 single row's weights streamed at 2.5x torch's rate), and in float32 over a bf16 checkpoint's
 weights kept as bf16 and widened in registers on every other CPU (`pack_mixed`, `linear_mixed`);
-`quant_linear.c` over 4- and 8-bit block-quantized weights (GGUF's Q4_0, Q4_1, Q8_0;
+`quant_linear.c` over 4-, 6- and 8-bit block-quantized weights (GGUF's Q4_0, Q4_1, Q8_0, Q4_K, Q6_K;
 `replicas/quant.py` packs them): unpacked in registers, 4-bit weights multiplied by the
 activations `SHARDSERVE_QUANT_ACTIVATIONS` names (`quant_activations`: float32; bfloat16, with
 AVX512-BF16 dot products, the default where the CPU has them; or int8 blocks with integer dot
@@ -370,7 +370,8 @@ QUANT_ACTIVATIONS_ENV = "SHARDSERVE_QUANT_ACTIVATIONS"
 
 def _set_quant_activations(lib: ctypes.CDLL) -> None:
     """`auto` (the default): bfloat16 where the build has AVX512-BF16 dot products (prefill
-    projections ~2x float32's FMAs, and greedy answers still transformers' on the default model),
+    projections 1.4-1.7x the float32 tiles, and the default model's greedy answers still
+    transformers'),
     else float32. int8 is llama.cpp's arithmetic (2.4-3x float32 at every size, but the default
     model's greedy answers are then llama.cpp's). A choice the build cannot run is float32."""
     asked = os.environ.get(QUANT_ACTIVATIONS_ENV, "auto")

@@ -24,8 +24,8 @@
    - float32 (every build; 8-bit weights always): weights unpacked (mask or shift, convert, one
      FMA with d and m) and multiplied in float32 tiles, a panel unpacked once per 48-row block
      where a block has more rows than a tile; 4-bit calls of 1-4 rows (1-2 on 16-register ISAs)
-     take d and m out of the loop and mask nibbles in place (q4_tile_hoisted): 1.15-1.36x faster
-     per call; 8-bit ones take d out of the loop (q8_tile_hoisted): a Q8_0 LM head of
+     take d and m out of the loop and mask nibbles in place (hoisted_tile): 1.15-1.36x faster
+     per call; 8-bit ones take d out of the loop (hoisted_tile): a Q8_0 LM head of
      49,152 x 576 at one row 1.40x;
    - bfloat16 (AVX512-BF16 builds; their default): x rounded to bfloat16 once per call; calls of
      more than MIXED_ROWS rows unpack each panel's quants, a K chunk at a time, into bfloat16
@@ -201,78 +201,78 @@ KERNEL_INLINE void q6_block(const uint8_t *r, int h, vf w[QK]) {
     }
 }
 
-/* Rows m0 .. m0+MT of x times one panel, each group of four weights positions unpacked once
-   for the tile's rows (MT a constant at each call: the accumulators stay in registers). */
-KERNEL_INLINE void q4_tile(const float *x, const uint8_t *panel, const float *bias, float *y,
-                           int64_t N, int64_t K, int64_t m0, int64_t n0, int MT) {
-    vf acc[8][2];
-    for (int i = 0; i < MT; i++) acc[i][0] = acc[i][1] = (vf){0};
-    const float *xr[8];
-    for (int i = 0; i < MT; i++) xr[i] = x + (m0 + i) * K;
-    const int64_t rec = record_bytes(Q4);
-    for (int64_t b = 0; b < K / QK; b++) {
-        const uint8_t *r = panel + b * rec, *qs = r + 4 * P;
-        const vf d0 = halves(r), d1 = halves(r + 2 * LANES);
-        const vf o0 = halves(r + 2 * P), o1 = halves(r + 2 * P + 2 * LANES);
-        for (int g = 0; g < 4; g++) {
-            const vi v0 = quads(qs + 4 * P * g), v1 = quads(qs + 4 * P * g + 4 * LANES);
-            for (int i = 0; i < 4; i++)
-                for (int half = 0; half < 2; half++)  /* weight 4g + i, then 16 + 4g + i */
-                    add_rows(acc, xr, b * QK + 16 * half + 4 * g + i,
-                             q4_weight(v0, 8 * i + 4 * half, d0, o0),
-                             q4_weight(v1, 8 * i + 4 * half, d1, o1), MT);
-        }
+/* One 32-weight block of a panel (record r, weights k0 ..) into a tile's MT rows: each group of
+   four weight positions unpacked once for all the rows */
+KERNEL_INLINE void q4_rows(vf acc[8][2], const float *const xr[8], const uint8_t *r, int64_t k0,
+                           int MT) {
+    const uint8_t *qs = r + 4 * P;
+    const vf d0 = halves(r), d1 = halves(r + 2 * LANES);
+    const vf o0 = halves(r + 2 * P), o1 = halves(r + 2 * P + 2 * LANES);
+    for (int g = 0; g < 4; g++) {
+        const vi v0 = quads(qs + 4 * P * g), v1 = quads(qs + 4 * P * g + 4 * LANES);
+        for (int i = 0; i < 4; i++)
+            for (int half = 0; half < 2; half++)  /* weight 4g + i, then 16 + 4g + i */
+                add_rows(acc, xr, k0 + 16 * half + 4 * g + i,
+                         q4_weight(v0, 8 * i + 4 * half, d0, o0),
+                         q4_weight(v1, 8 * i + 4 * half, d1, o1), MT);
     }
-    store_rows(acc, bias, y, N, m0, n0, MT);
 }
 
-KERNEL_INLINE void q8_tile(const float *x, const uint8_t *panel, const float *bias, float *y,
-                           int64_t N, int64_t K, int64_t m0, int64_t n0, int MT) {
-    vf acc[8][2];
-    for (int i = 0; i < MT; i++) acc[i][0] = acc[i][1] = (vf){0};
-    const float *xr[8];
-    for (int i = 0; i < MT; i++) xr[i] = x + (m0 + i) * K;
-    const int64_t rec = record_bytes(Q8);
-    for (int64_t b = 0; b < K / QK; b++) {
-        const uint8_t *r = panel + b * rec, *qs = r + 2 * P;
-        const vf d0 = halves(r), d1 = halves(r + 2 * LANES);
-        for (int g = 0; g < 8; g++) {
-            const vi v0 = quads(qs + 4 * P * g), v1 = quads(qs + 4 * P * g + 4 * LANES);
-            for (int i = 0; i < 4; i++)
-                add_rows(acc, xr, b * QK + 4 * g + i, q8_weight(v0, i, d0), q8_weight(v1, i, d1),
+KERNEL_INLINE void q8_rows(vf acc[8][2], const float *const xr[8], const uint8_t *r, int64_t k0,
+                           int MT) {
+    const uint8_t *qs = r + 2 * P;
+    const vf d0 = halves(r), d1 = halves(r + 2 * LANES);
+    for (int g = 0; g < 8; g++) {
+        const vi v0 = quads(qs + 4 * P * g), v1 = quads(qs + 4 * P * g + 4 * LANES);
+        for (int i = 0; i < 4; i++)
+            add_rows(acc, xr, k0 + 4 * g + i, q8_weight(v0, i, d0), q8_weight(v1, i, d1), MT);
+    }
+}
+
+KERNEL_INLINE void q6_rows(vf acc[8][2], const float *const xr[8], const uint8_t *r, int64_t k0,
+                           int MT) {
+    const uint8_t *qs = r + 4 * P, *qh = qs + 16 * P;
+    /* [output vector][half]: the scales of weights 0..15 and 16..31, and their high bits */
+    const vf d[2][2] = {{halves(r), halves(r + 2 * P)},
+                        {halves(r + 2 * LANES), halves(r + 2 * P + 2 * LANES)}};
+    const vi vh[2][2] = {{quads(qh), quads(qh + 4 * P)},
+                         {quads(qh + 4 * LANES), quads(qh + 4 * P + 4 * LANES)}};
+    for (int g = 0; g < 4; g++) {
+        const vi v0 = quads(qs + 4 * P * g), v1 = quads(qs + 4 * P * g + 4 * LANES);
+        for (int i = 0; i < 4; i++)
+            for (int half = 0; half < 2; half++)
+                add_rows(acc, xr, k0 + 16 * half + 4 * g + i,
+                         q6_weight(v0, vh[0][half], half, g, i, d[0][half], d[0][half] * -32.0f),
+                         q6_weight(v1, vh[1][half], half, g, i, d[1][half], d[1][half] * -32.0f),
                          MT);
-        }
     }
-    store_rows(acc, bias, y, N, m0, n0, MT);
 }
 
-KERNEL_INLINE void q6_tile(const float *x, const uint8_t *panel, const float *bias, float *y,
-                           int64_t N, int64_t K, int64_t m0, int64_t n0, int MT) {
+/* Rows m0 .. m0+MT of x times one panel of QTYPE, unpacked in registers (QTYPE and MT constants
+   at each call: one specialised loop each, the accumulators in registers). */
+KERNEL_INLINE void quant_tile(int qtype, const float *x, const uint8_t *panel, const float *bias,
+                              float *y, int64_t N, int64_t K, int64_t m0, int64_t n0, int MT) {
     vf acc[8][2];
     for (int i = 0; i < MT; i++) acc[i][0] = acc[i][1] = (vf){0};
     const float *xr[8];
     for (int i = 0; i < MT; i++) xr[i] = x + (m0 + i) * K;
-    const int64_t rec = record_bytes(Q6);
+    const int64_t rec = record_bytes(qtype);
     for (int64_t b = 0; b < K / QK; b++) {
-        const uint8_t *r = panel + b * rec, *qs = r + 4 * P, *qh = qs + 16 * P;
-        /* [output vector][half]: the scales of weights 0..15 and 16..31, and their high bits */
-        const vf d[2][2] = {{halves(r), halves(r + 2 * P)},
-                            {halves(r + 2 * LANES), halves(r + 2 * P + 2 * LANES)}};
-        const vi vh[2][2] = {{quads(qh), quads(qh + 4 * P)},
-                             {quads(qh + 4 * LANES), quads(qh + 4 * P + 4 * LANES)}};
-        for (int g = 0; g < 4; g++) {
-            const vi v0 = quads(qs + 4 * P * g), v1 = quads(qs + 4 * P * g + 4 * LANES);
-            for (int i = 0; i < 4; i++)
-                for (int half = 0; half < 2; half++)
-                    add_rows(acc, xr, b * QK + 16 * half + 4 * g + i,
-                             q6_weight(v0, vh[0][half], half, g, i, d[0][half],
-                                       d[0][half] * -32.0f),
-                             q6_weight(v1, vh[1][half], half, g, i, d[1][half],
-                                       d[1][half] * -32.0f), MT);
-        }
+        if (qtype == Q4) q4_rows(acc, xr, panel + b * rec, b * QK, MT);
+        else if (qtype == Q6) q6_rows(acc, xr, panel + b * rec, b * QK, MT);
+        else q8_rows(acc, xr, panel + b * rec, b * QK, MT);
     }
     store_rows(acc, bias, y, N, m0, n0, MT);
 }
+
+#define QUANT_TILE(NAME, QTYPE)                                                              \
+    KERNEL_INLINE void NAME(const float *x, const uint8_t *panel, const float *bias, float *y, \
+                            int64_t N, int64_t K, int64_t m0, int64_t n0, int MT) {           \
+        quant_tile(QTYPE, x, panel, bias, y, N, K, m0, n0, MT);                               \
+    }
+QUANT_TILE(q4_tile, Q4)
+QUANT_TILE(q8_tile, Q8)
+QUANT_TILE(q6_tile, Q6)
 
 /* Calls of at most HOIST_ROWS rows (decode of a few streams), where unpacking 4-bit weights is
    the cost, not the products. Two savings, exact in float32:
@@ -301,104 +301,92 @@ KERNEL_INLINE vf q4_scaled(vi v, int shift) {
     return __builtin_convertvector(v & ((vi){0} + (15 << shift)), vf);
 }
 
-KERNEL_INLINE void q4_tile_hoisted(const float *xs, const float *xsum, const uint8_t *panel,
-                                   const float *bias, float *y, int64_t N, int64_t K, int64_t m0,
-                                   int64_t n0, int MT) {
-    vf acc[8][2];
-    const float *xr[HOIST_ROWS], *sr[HOIST_ROWS];
-    for (int i = 0; i < MT; i++) {
-        acc[i][0] = acc[i][1] = (vf){0};
-        xr[i] = xs + (m0 + i) * K;
-        sr[i] = xsum + (m0 + i) * (K / QK);
-    }
-    const int64_t rec = record_bytes(Q4);
-    for (int64_t b = 0; b < K / QK; b++) {
-        const uint8_t *r = panel + b * rec, *qs = r + 4 * P;
-        vf s[HOIST_ROWS][2];
-        for (int i = 0; i < MT; i++) s[i][0] = s[i][1] = (vf){0};
-        for (int g = 0; g < 4; g++) {
-            const vi v0 = quads(qs + 4 * P * g), v1 = quads(qs + 4 * P * g + 4 * LANES);
-            for (int i = 0; i < 4; i++)
-                for (int half = 0; half < 2; half++) {  /* weight 4g + i, then 16 + 4g + i */
-                    const int shift = 8 * i + 4 * half;
-                    const vf q0 = q4_scaled(v0, shift), q1 = q4_scaled(v1, shift);
-                    const int64_t k = b * QK + 16 * half + 4 * g + i;
-                    for (int m = 0; m < MT; m++) {
-                        s[m][0] += xr[m][k] * q0;
-                        s[m][1] += xr[m][k] * q1;
-                    }
+/* a 4-bit block's sums of x q 2^-s (x pre-scaled: q4_x_exponent) into s, per row */
+KERNEL_INLINE void q4_sums(vf s[HOIST_ROWS][2], const float *const xr[HOIST_ROWS],
+                           const uint8_t *r, int64_t k0, int MT) {
+    const uint8_t *qs = r + 4 * P;
+    for (int g = 0; g < 4; g++) {
+        const vi v0 = quads(qs + 4 * P * g), v1 = quads(qs + 4 * P * g + 4 * LANES);
+        for (int i = 0; i < 4; i++)
+            for (int half = 0; half < 2; half++) {  /* weight 4g + i, then 16 + 4g + i */
+                const int shift = 8 * i + 4 * half;
+                const vf q0 = q4_scaled(v0, shift), q1 = q4_scaled(v1, shift);
+                const int64_t k = k0 + 16 * half + 4 * g + i;
+                for (int m = 0; m < MT; m++) {
+                    s[m][0] += xr[m][k] * q0;
+                    s[m][1] += xr[m][k] * q1;
                 }
-        }
-        const vf d0 = halves(r), d1 = halves(r + 2 * LANES);
-        const vf o0 = halves(r + 2 * P), o1 = halves(r + 2 * P + 2 * LANES);
-        for (int m = 0; m < MT; m++) {
-            acc[m][0] += d0 * s[m][0] + o0 * sr[m][b];
-            acc[m][1] += d1 * s[m][1] + o1 * sr[m][b];
-        }
-    }
-    store_rows(acc, bias, y, N, m0, n0, MT);
-}
-
-static void q4_panel_hoisted(const float *x, const float *xsum, const uint8_t *panel,
-                             const float *bias, float *y, int64_t M, int64_t N, int64_t K,
-                             int64_t n0) {
-    switch (M) {
-        case 1: q4_tile_hoisted(x, xsum, panel, bias, y, N, K, 0, n0, 1); break;
-#if HOIST_ROWS >= 4
-        case 3: q4_tile_hoisted(x, xsum, panel, bias, y, N, K, 0, n0, 3); break;
-        case 4: q4_tile_hoisted(x, xsum, panel, bias, y, N, K, 0, n0, 4); break;
-#endif
-        default: q4_tile_hoisted(x, xsum, panel, bias, y, N, K, 0, n0, 2); break;
+            }
     }
 }
 
 /* 8-bit weights in calls of at most HOIST_ROWS rows (a lone stream's Q8_0 LM head): the
    block's scale d out of the inner loop, d sum(x q) per block, so a weight costs its sign
    extension (two shifts, one for the top byte), a convert and its FMA: 4 operations, 5 before. */
-KERNEL_INLINE void q8_tile_hoisted(const float *x, const uint8_t *panel, const float *bias,
-                                   float *y, int64_t N, int64_t K, int64_t m0, int64_t n0,
-                                   int MT) {
+KERNEL_INLINE void q8_sums(vf s[HOIST_ROWS][2], const float *const xr[HOIST_ROWS],
+                           const uint8_t *r, int64_t k0, int MT) {
+    const uint8_t *qs = r + 2 * P;
+    for (int g = 0; g < 8; g++) {
+        const vi v0 = quads(qs + 4 * P * g), v1 = quads(qs + 4 * P * g + 4 * LANES);
+        for (int i = 0; i < 4; i++) {
+            const vf q0 = __builtin_convertvector((v0 << (24 - 8 * i)) >> 24, vf);
+            const vf q1 = __builtin_convertvector((v1 << (24 - 8 * i)) >> 24, vf);
+            const int64_t k = k0 + 4 * g + i;
+            for (int m = 0; m < MT; m++) {
+                s[m][0] += xr[m][k] * q0;
+                s[m][1] += xr[m][k] * q1;
+            }
+        }
+    }
+}
+
+/* Rows m0 .. m0+MT (at most HOIST_ROWS) times one panel: per block the sums of x q, then
+   acc += d sum(x q) (+ m sum(x) for 4-bit, from xsum) */
+KERNEL_INLINE void hoisted_tile(int qtype, const float *x, const float *xsum,
+                                const uint8_t *panel, const float *bias, float *y, int64_t N,
+                                int64_t K, int64_t m0, int64_t n0, int MT) {
     vf acc[8][2];
-    const float *xr[HOIST_ROWS];
+    const float *xr[HOIST_ROWS], *sr[HOIST_ROWS];
     for (int i = 0; i < MT; i++) {
         acc[i][0] = acc[i][1] = (vf){0};
         xr[i] = x + (m0 + i) * K;
+        sr[i] = qtype == Q4 ? xsum + (m0 + i) * (K / QK) : NULL;
     }
-    const int64_t rec = record_bytes(Q8);
+    const int64_t rec = record_bytes(qtype);
     for (int64_t b = 0; b < K / QK; b++) {
-        const uint8_t *r = panel + b * rec, *qs = r + 2 * P;
+        const uint8_t *r = panel + b * rec;
         vf s[HOIST_ROWS][2];
         for (int i = 0; i < MT; i++) s[i][0] = s[i][1] = (vf){0};
-        for (int g = 0; g < 8; g++) {
-            const vi v0 = quads(qs + 4 * P * g), v1 = quads(qs + 4 * P * g + 4 * LANES);
-            for (int i = 0; i < 4; i++) {
-                const vf q0 = __builtin_convertvector((v0 << (24 - 8 * i)) >> 24, vf);
-                const vf q1 = __builtin_convertvector((v1 << (24 - 8 * i)) >> 24, vf);
-                const int64_t k = b * QK + 4 * g + i;
-                for (int m = 0; m < MT; m++) {
-                    s[m][0] += xr[m][k] * q0;
-                    s[m][1] += xr[m][k] * q1;
-                }
-            }
-        }
+        if (qtype == Q4) q4_sums(s, xr, r, b * QK, MT);
+        else q8_sums(s, xr, r, b * QK, MT);
         const vf d0 = halves(r), d1 = halves(r + 2 * LANES);
-        for (int m = 0; m < MT; m++) {
-            acc[m][0] += d0 * s[m][0];
-            acc[m][1] += d1 * s[m][1];
+        if (qtype == Q4) {
+            const vf o0 = halves(r + 2 * P), o1 = halves(r + 2 * P + 2 * LANES);
+            for (int m = 0; m < MT; m++) {
+                acc[m][0] += d0 * s[m][0] + o0 * sr[m][b];
+                acc[m][1] += d1 * s[m][1] + o1 * sr[m][b];
+            }
+        } else {
+            for (int m = 0; m < MT; m++) {
+                acc[m][0] += d0 * s[m][0];
+                acc[m][1] += d1 * s[m][1];
+            }
         }
     }
     store_rows(acc, bias, y, N, m0, n0, MT);
 }
 
-static void q8_panel_hoisted(const float *x, const uint8_t *panel, const float *bias, float *y,
-                             int64_t m0, int64_t m1, int64_t N, int64_t K, int64_t n0) {
+/* rows m0 .. m1 (at most HOIST_ROWS) of a QTYPE panel; xsum: 4-bit's per-block sums of x */
+KERNEL_INLINE void hoisted_rows(int qtype, const float *x, const float *xsum,
+                                const uint8_t *panel, const float *bias, float *y, int64_t m0,
+                                int64_t m1, int64_t N, int64_t K, int64_t n0) {
     switch (m1 - m0) {
-        case 1: q8_tile_hoisted(x, panel, bias, y, N, K, m0, n0, 1); break;
+        case 1: hoisted_tile(qtype, x, xsum, panel, bias, y, N, K, m0, n0, 1); break;
 #if HOIST_ROWS >= 4
-        case 3: q8_tile_hoisted(x, panel, bias, y, N, K, m0, n0, 3); break;
-        case 4: q8_tile_hoisted(x, panel, bias, y, N, K, m0, n0, 4); break;
+        case 3: hoisted_tile(qtype, x, xsum, panel, bias, y, N, K, m0, n0, 3); break;
+        case 4: hoisted_tile(qtype, x, xsum, panel, bias, y, N, K, m0, n0, 4); break;
 #endif
-        default: q8_tile_hoisted(x, panel, bias, y, N, K, m0, n0, 2); break;
+        default: hoisted_tile(qtype, x, xsum, panel, bias, y, N, K, m0, n0, 2); break;
     }
 }
 
@@ -661,7 +649,7 @@ static void q_panel(int qtype, const float *x, const uint8_t *panel, float *unpa
                     const float *xsum, const float *bias, float *y, int64_t m0, int64_t m1,
                     int64_t N, int64_t K, int64_t n0) {
     if (xsum != NULL) {  /* the whole call: at most HOIST_ROWS rows, 4-bit */
-        q4_panel_hoisted(x, xsum, panel, bias, y, m1, N, K, n0);
+        hoisted_rows(Q4, x, xsum, panel, bias, y, 0, m1, N, K, n0);
     } else if (unpacked != NULL && m1 - m0 > MIXED_ROWS) {
         unpack(qtype, panel, unpacked, K);
         f32_panel_rows(x, unpacked, bias, y, m0, m1, N, K, n0);
@@ -670,7 +658,7 @@ static void q_panel(int qtype, const float *x, const uint8_t *panel, float *unpa
     } else if (qtype == Q6) {
         q6_panel_rows(x, panel, bias, y, m0, m1, N, K, n0);
     } else if (m1 - m0 <= HOIST_ROWS) {
-        q8_panel_hoisted(x, panel, bias, y, m0, m1, N, K, n0);
+        hoisted_rows(Q8, x, NULL, panel, bias, y, m0, m1, N, K, n0);
     } else {
         q8_panel_rows(x, panel, bias, y, m0, m1, N, K, n0);
     }
@@ -696,10 +684,12 @@ int linear_q(const void *x, const void *w, const void *bias, void *y, int64_t M,
     const int64_t panels = (N + P - 1) / P, panel_size = K / QK * record_bytes(h.qtype);
     /* bfloat16 activations: every 4-bit path multiplies x rounded to bfloat16, the dot-product
        tiles (calls of more than MIXED_ROWS rows) its bfloat16 copy xb with each row's block sums
-       xsum; without memory for them, float32 x */
+       xsum (calls of at most HOIST_ROWS rows round x as they scale it, below); without memory
+       for them, float32 x */
+    const int round_x = h.qtype == Q4 && act_mode == ACT_BF16;
     float *xround = NULL, *xsum = NULL;
     uint16_t *xb = NULL;
-    if (h.qtype == Q4 && act_mode == ACT_BF16) {
+    if (round_x && M > HOIST_ROWS) {
         const int dots = BF_DOT && M > MIXED_ROWS;
         xround = malloc((size_t)(M * K) * sizeof(float)
                         + (dots ? (size_t)(M * K / QK) * sizeof(float) + (size_t)(M * K) * 2 : 0));
@@ -737,7 +727,7 @@ int linear_q(const void *x, const void *w, const void *bias, void *y, int64_t M,
         xsum = NULL;  /* no workspace: the float32 tiles over the rounded x */
     }
 #endif
-    /* few rows of 4-bit weights: x scaled per position and its block sums (q4_tile_hoisted) */
+    /* few rows of 4-bit weights: x scaled per position and its block sums (hoisted_tile) */
     float *xscaled = NULL;
     if (h.qtype == Q4 && M <= HOIST_ROWS
         && (xscaled = malloc((size_t)(M * K + M * K / QK) * sizeof(float)))) {
@@ -745,7 +735,8 @@ int linear_q(const void *x, const void *w, const void *bias, void *y, int64_t M,
         for (int64_t b = 0; b < M * (K / QK); b++) {
             float t = 0;
             for (int j = 0; j < QK; j++) {
-                const float v = xs[b * QK + j];
+                const float v = round_x ? bf16_to_float(float_to_bf16(xs[b * QK + j]))
+                                        : xs[b * QK + j];
                 t += v;
                 xscaled[b * QK + j] = ldexpf(v, -q4_x_exponent(j));
             }

@@ -99,6 +99,27 @@ def test_every_level_multiplies_every_format(level: str, tmp_path: Path) -> None
                                    msg=case)
 
 
+@pytest.mark.skipif(kernels.load() is None, reason="no native kernels here")
+@pytest.mark.parametrize(("asked", "expected"), [
+    ("float32", "float32"), ("int8", "int8"), ("auto", None), ("fp8", "one of auto")])
+def test_the_activation_mode_comes_from_the_environment(asked: str, expected: str | None) -> None:
+    """SHARDSERVE_QUANT_ACTIVATIONS at load: a mode the build runs is taken, `auto` is bfloat16
+    on AVX512-BF16 and float32 elsewhere, and a name that is no mode stops the load."""
+    level = isa.selected()
+    if asked == "int8" and level not in ("avx512_bf16", "avx512", "avx2"):
+        expected = "float32"  # a build without integer dot products falls back
+    if asked == "auto":
+        expected = "bfloat16" if level == "avx512_bf16" else "float32"
+    code = "from replicas import kernels; print(kernels.quant_activations())"
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, kernels.QUANT_ACTIVATIONS_ENV: asked,
+                              "PYTHONPATH": str(ROOT)}, timeout=300)
+    if expected.startswith("one of"):
+        assert run.returncode != 0 and expected in run.stderr, run.stderr
+    else:
+        assert run.stdout.strip() == expected, run.stderr
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_embedding_rows_come_back_from_packed_panels(fmt: quant.BlockFormat) -> None:
     """A tied head's packed panels serve the embedding: the rows gathered from them are the
