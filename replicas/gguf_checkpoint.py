@@ -10,9 +10,9 @@ which names each tensor as Hugging Face does and undoes the Q/K row permutation 
 converter applies to Llama-architecture checkpoints.
 
 Every tensor type is read: Q4_0, Q4_1 and Q8_0 stay in their blocks for the native kernels
-(`quant.py`), Q4_K is repacked into Q4_1 blocks and Q6_K into 6-bit Q6 blocks; F32, F16 and BF16 are floats; other block types
-(Q5_K, I-quants) are dequantized by gguf-py at load, to be served in float or re-quantized
-to Q8_0 by the loader."""
+(`quant.py`), Q4_K is repacked into Q4_1 blocks and Q6_K into 6-bit Q6 blocks
+(`quant.REPACKED`); F32, F16 and BF16 are floats; other block types (Q5_K, I-quants) are
+dequantized by gguf-py at load, to be served in float or re-quantized to Q8_0 by the loader."""
 
 from __future__ import annotations
 
@@ -177,14 +177,11 @@ def read_tensors(file: Path, heads: int, kv_heads: int) -> Iterator[GGUFTensor]:
         except Exception as exc:  # a truncated file's memmap comes up short
             raise GGUFError(f"{file}: tensor {t.name} cannot be read ({exc})") from exc
         fmt, dequantized = quant.NATIVE.get(kind), False
-        if fmt is not None:
+        if fmt is not None or kind in quant.REPACKED:
             raw = torch.from_numpy(data.copy()).view(torch.uint8).reshape(data.shape[0], -1)
-        elif kind == quant.Q4_K_TYPE:
-            raw, fmt = quant.q4_k_to_q4_1(torch.from_numpy(data.copy()).view(torch.uint8).reshape(
-                data.shape[0], -1)), quant.Q4_1
-        elif kind == quant.Q6_K_TYPE:
-            raw, fmt = quant.q6_k_to_q6(torch.from_numpy(data.copy()).view(torch.uint8).reshape(
-                data.shape[0], -1)), quant.Q6
+            if fmt is None:
+                repack, fmt = quant.REPACKED[kind]
+                raw = repack(raw)
         elif kind in _FLOAT_TYPES:
             raw = torch.from_numpy(data.copy()).view(_FLOAT_TYPES[kind])
         else:

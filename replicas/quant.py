@@ -125,6 +125,15 @@ def q6_k_to_q6(raw: torch.Tensor) -> torch.Tensor:
     return out.reshape(rows, -1)
 
 
+# GGML types repacked at load into a native format: (repacker of raw GGUF rows, the format)
+REPACKED = {Q4_K_TYPE: (q4_k_to_q4_1, Q4_1), Q6_K_TYPE: (q6_k_to_q6, Q6)}
+
+
+def _head_bytes(fmt: BlockFormat) -> int:
+    """Bytes of float16 scales leading a block: d (Q8_0); d and m (4-bit); d0 and d1 (Q6)."""
+    return 2 if fmt is Q8_0 else 4
+
+
 def dequantize(raw: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     """Raw rows -> float32 [rows, k]: the reference every kernel is tested against."""
     b = _blocks(raw, fmt)
@@ -135,7 +144,7 @@ def dequantize(raw: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
         nibbles, bits = b[..., 4:20], b[..., 20:28].reshape(*b.shape[:2], 2, 1, 4)
         top = torch.stack([(bits >> (2 * g)) & 3 for g in range(4)], dim=3)  # [half][g][i]
         q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1) | (top.reshape(*b.shape[:2], 32) << 4)
-        w = (d.repeat_interleave(16, dim=-1) * (q.float() - 32))
+        w = d.repeat_interleave(16, dim=-1) * (q.float() - 32)
     else:
         d, m, q = _q4(b, fmt)
         w = d.unsqueeze(-1) * q + m.unsqueeze(-1)
@@ -190,7 +199,7 @@ def packed_rows(packed: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, 
     if magic != _MAGIC:
         raise ValueError("not a packed quantized weight")
     fmt = {_KERNEL_Q8: Q8_0, _KERNEL_Q4: Q4_1, _KERNEL_Q6: Q6}[kernel_type]
-    scales, blocks = (2 if fmt is Q8_0 else 4), k // BLOCK
+    scales, blocks = _head_bytes(fmt), k // BLOCK
     records = packed[HEADER_BYTES:].view(-1, blocks, panel * fmt.block_bytes)
     rec = records[ids // panel]  # [rows, blocks, record]: each row's panel
     # a record: the panel's d (then its m), float16 each, then [groups of 4 quants][panel][4]
@@ -222,7 +231,7 @@ def pack(raw: torch.Tensor, fmt: BlockFormat, panel: int) -> torch.Tensor:
         b = torch.cat([b, b.new_zeros(padded_n - n, *b.shape[1:])])
     # [panels, panel, blocks, bytes] -> [panels, blocks, panel, bytes]
     r = b.view(padded_n // panel, panel, blocks, -1).transpose(1, 2)
-    scales = 2 if fmt is Q8_0 else 4  # d (and m, or Q6's second d), float16 each
+    scales = _head_bytes(fmt)
     # the quants as [groups of 4 positions][panel][4]: four consecutive bytes per output
     q = r[..., scales:]
     q = q.reshape(*q.shape[:3], -1, 4).permute(0, 1, 3, 2, 4)

@@ -495,12 +495,7 @@ static void dot_panel_rows(const int8_t *qx, const float *xd, const float *xs,
     int64_t m = 0;
     for (; m + DOT_MT <= M; m += DOT_MT)
         dot_tile(qx, xd, xs, panel, bias, y, N, K, m, n0, DOT_MT);
-    switch (M - m) {
-        case 3: dot_tile(qx, xd, xs, panel, bias, y, N, K, m, n0, 3); break;
-        case 2: dot_tile(qx, xd, xs, panel, bias, y, N, K, m, n0, 2); break;
-        case 1: dot_tile(qx, xd, xs, panel, bias, y, N, K, m, n0, 1); break;
-        default: break;
-    }
+    TAIL_TILES(dot_tile, M - m, qx, xd, xs, panel, bias, y, N, K, m, n0)
 }
 
 /* returns nonzero where its buffers could not be allocated (the float32 way runs then) */
@@ -566,9 +561,9 @@ static void unpack_bf16(const uint8_t *panel, uint16_t *out, int64_t b0, int64_t
 KERNEL_INLINE void bf16_tile(const uint16_t *xb, const float *xsum, const uint16_t *qw,
                              const uint8_t *panel, const float *bias, float *y, int64_t N,
                              int64_t K, int64_t b0, int64_t b1, int64_t m0, int64_t n0, int MT) {
-    vf acc[8][2];
-    const uint16_t *xr[BF_MT];
-    const float *sr[BF_MT];
+    vf acc[8][2]; /* room for any tail (TAIL_TILES); only MT of them are used */
+    const uint16_t *xr[8];
+    const float *sr[8];
     for (int i = 0; i < MT; i++) {
         acc[i][0] = acc[i][1] = (vf){0};
         xr[i] = xb + (m0 + i) * K;
@@ -577,7 +572,7 @@ KERNEL_INLINE void bf16_tile(const uint16_t *xb, const float *xsum, const uint16
     if (b0 > 0) load_rows(acc, y, N, m0, n0, MT);
     const int64_t rec = record_bytes(Q4);
     for (int64_t b = b0; b < b1; b++) {
-        __m512 s[BF_MT][2];
+        __m512 s[8][2];
         for (int i = 0; i < MT; i++) s[i][0] = s[i][1] = _mm512_setzero_ps();
         const uint16_t *qb = qw + (b - b0) * (QK / 2) * 2 * P;
         for (int p = 0; p < QK / 2; p++) {
@@ -613,14 +608,7 @@ static void bf16_panel(const uint16_t *xb, const float *xsum, uint16_t *qw, cons
         int64_t m = 0;
         for (; m + BF_MT <= M; m += BF_MT)
             bf16_tile(xb, xsum, qw, panel, bias, y, N, K, b0, b1, m, n0, BF_MT);
-        switch (M - m) {
-            case 5: bf16_tile(xb, xsum, qw, panel, bias, y, N, K, b0, b1, m, n0, 5); break;
-            case 4: bf16_tile(xb, xsum, qw, panel, bias, y, N, K, b0, b1, m, n0, 4); break;
-            case 3: bf16_tile(xb, xsum, qw, panel, bias, y, N, K, b0, b1, m, n0, 3); break;
-            case 2: bf16_tile(xb, xsum, qw, panel, bias, y, N, K, b0, b1, m, n0, 2); break;
-            case 1: bf16_tile(xb, xsum, qw, panel, bias, y, N, K, b0, b1, m, n0, 1); break;
-            default: break;
-        }
+        TAIL_TILES(bf16_tile, M - m, xb, xsum, qw, panel, bias, y, N, K, b0, b1, m, n0)
     }
 }
 #endif
