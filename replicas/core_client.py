@@ -75,8 +75,14 @@ class Streams:
             box = boxes.get(request_id)
             if box is not None:
                 if not box.started:
+                    box.started = True
                     self.producing += 1
-                box.put(batch)
+                if box.channel is None:
+                    box.put(batch)
+                    continue
+                box.channel.put(request_id, batch)
+                if batch.finish_reason is not None:
+                    box.put(batch)
         for request_id, exc in errors:
             box = boxes.pop(request_id, None)
             if box is not None:

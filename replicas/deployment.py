@@ -3,10 +3,12 @@
 The engine core (replicas/engine_core.py) computes in a process of its own; the replica starts and
 supervises it (replicas/core_client.py) and fans its step messages out to the `generate` calls.
 `generate` is a streaming method: the ingress calls it once per request through a DeploymentHandle
-with `stream=True` and receives tuples of `TokenBatch`es, coalesced per choice. Under load a
-request's tokens are grouped (`stream_messages_per_s`, `stream_interval`), so one Ray hop carries
-several of them. A cancelled call (the client went away) aborts the request and frees its KV
-blocks."""
+with `stream=True`. Where the ingress has a channel open here (`channel`, replicas/channel.py) the
+request's batches go over it, one message per engine step for all of that ingress's requests, and
+`generate` only marks the request channeled and carries its failure; elsewhere it yields tuples of
+`TokenBatch`es itself, coalesced per choice, grouped under load (`stream_messages_per_s`,
+`stream_interval`) so one Ray hop carries several tokens. A cancelled call (the client went away)
+aborts the request and frees its KV blocks."""
 
 from __future__ import annotations
 
@@ -21,9 +23,10 @@ import ray
 from ray import serve
 
 from replicas import status_board
+from replicas.channel import Channel, Channeled, ChannelOpen
 from replicas.core_client import InProcessCore, ProcessCore
 from replicas.engine_core import CoreSpec, ReplicaConfig
-from replicas.request import GenerateRequest, TokenBatch
+from replicas.request import EngineError, GenerateRequest, TokenBatch, coalesce
 
 __all__ = ["LLMReplica", "LLMServer", "ReplicaConfig"]
 
@@ -46,25 +49,6 @@ def _serve_context() -> tuple[str | None, dict]:
         "runtime_env": runtime.runtime_env or None,
         "placement_group_id": pg.id.binary() if pg is not None else None,
         "shard_name_prefix": f"shard-{ctx.replica_id.unique_id}"}
-
-
-def _coalesce(items: list[TokenBatch]) -> tuple[TokenBatch, ...]:
-    merged: dict[int, TokenBatch] = {}
-    for b in items:
-        prev = merged.get(b.choice_index)
-        if prev is None:
-            merged[b.choice_index] = b
-            continue
-        lps = None if prev.logprobs is None else prev.logprobs + (b.logprobs or ())
-        merged[b.choice_index] = TokenBatch(
-            b.choice_index, prev.token_ids + b.token_ids, lps, b.finish_reason, b.stop_reason,
-            prev.num_prompt_tokens, prev.num_cached_tokens,
-            prev.prompt_logprobs if prev.prompt_logprobs is not None else b.prompt_logprobs,
-            accepted_prediction_tokens=(prev.accepted_prediction_tokens
-                                        + b.accepted_prediction_tokens),
-            rejected_prediction_tokens=(prev.rejected_prediction_tokens
-                                        + b.rejected_prediction_tokens))
-    return tuple(merged.values())
 
 
 class LLMServer:
@@ -91,22 +75,67 @@ class LLMServer:
                                and not info["on_gpu"] else 0.0)
         self.max_model_len = info["max_model_len"]
         self.vocab_size = info["vocab_size"]
-        self.stream_messages = 0  # generate's yields: each is one Ray message to the ingress
+        self.stream_messages = 0  # yields of generate and channels: Ray messages to the ingress
+        self.channels: dict[str, Channel] = {}  # by ingress replica
+        self.channeled_requests = 0
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[tuple[TokenBatch, ...]]:
+    async def channel(self, open_: ChannelOpen) -> AsyncIterator[dict[str, tuple[TokenBatch, ...]]]:
+        """The channel of the ingress `open_.ingress`: an empty message at once (it is open),
+        then its channeled requests' batches, coalesced per request, one message per wake-up
+        (an engine step's outputs while the ingress keeps up). A second open from the same
+        ingress (it lost the first) replaces the first."""
+        old = self.channels.pop(open_.ingress, None)
+        if old is not None:
+            self._close_channel(old)
+        channel = self.channels[open_.ingress] = Channel()
+        try:
+            yield {}
+            while not channel.closed:
+                pending = await channel.take()
+                self.stream_messages += 1
+                yield {rid: coalesce(items) for rid, items in pending.items()}
+        finally:
+            if self.channels.get(open_.ingress) is channel:
+                del self.channels[open_.ingress]
+            self._close_channel(channel)
+
+    def _close_channel(self, channel: Channel) -> None:
+        """Its requests fail (their ingress can no longer get their tokens); their `generate`
+        calls raise and abort them."""
+        channel.close()
+        for box in self.core.streams.outboxes.values():
+            if box.channel is channel:
+                box.put(EngineError("the stream of this request's tokens to the ingress broke",
+                                    status=503, type_="ServiceUnavailableError"))
+
+    async def generate(self, request: GenerateRequest, channel: str | None = None
+                       ) -> AsyncIterator[tuple[TokenBatch, ...] | Channeled]:
+        """The request's batches, or, where the ingress `channel` has its channel open here, one
+        `Channeled` and then nothing until the request ends (its batches go over the channel)."""
         outbox = self.core.add(request)
         outbox.min_tokens = self.config.stream_interval
+        outbox.channel = self.channels.get(channel) if channel is not None else None
         budget = self.stream_budget
         remaining = request.n
         first = True
         try:
+            if outbox.channel is not None:
+                self.channeled_requests += 1
+                yield Channeled(self.replica_id)
+                while remaining:  # only each choice's last batch and a failure come here
+                    for item in await outbox.take():
+                        if isinstance(item, BaseException):
+                            remaining = 0  # the core has let the request go
+                            raise item
+                        remaining -= item.finish_reason is not None
+                return
             while remaining:
                 items = await outbox.take()
                 for item in items:
                     if isinstance(item, BaseException):
                         remaining = 0  # the core has let the request go
                         raise item
-                batches = _coalesce(items)  # type: ignore[arg-type]
+                batches = coalesce(items)  # type: ignore[arg-type]
                 if first and batches and self.replica_id is not None:
                     batches = (replace(batches[0], replica=self.replica_id), *batches[1:])
                 first = False
@@ -129,7 +158,8 @@ class LLMServer:
         return {**self.core.info, "config": asdict(self.config)}
 
     def stats(self) -> dict:
-        return {**self.core.stats(), "stream_messages": self.stream_messages}
+        return {**self.core.stats(), "stream_messages": self.stream_messages,
+                "channeled_requests": self.channeled_requests}
 
     async def fresh_stats(self) -> dict:
         return await self.core.fresh_stats()
@@ -152,10 +182,16 @@ class LLMReplica:
         self._stops = loop.create_task(status_board.take_stops_forever(
             ctx.app_name, replica, self.server.stop_choice))
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[tuple[TokenBatch, ...]]:
-        async with contextlib.aclosing(self.server.generate(request)) as stream:
+    async def generate(self, request: GenerateRequest, channel: str | None = None
+                       ) -> AsyncIterator[tuple[TokenBatch, ...] | Channeled]:
+        async with contextlib.aclosing(self.server.generate(request, channel)) as stream:
             async for batches in stream:
                 yield batches
+
+    async def channel(self, open_: ChannelOpen) -> AsyncIterator[dict[str, tuple[TokenBatch, ...]]]:
+        async with contextlib.aclosing(self.server.channel(open_)) as stream:
+            async for message in stream:
+                yield message
 
     async def info(self) -> dict:
         return self.server.info()

@@ -12,15 +12,21 @@ from __future__ import annotations
 import asyncio
 import time
 
+from replicas.channel import Channel
 from replicas.request import TokenBatch
 
 
 class Outbox:
-    __slots__ = ("_counts", "_items", "_seen", "_urgent", "_waiter", "hold_until", "min_tokens")
+    __slots__ = ("_counts", "_items", "_seen", "_urgent", "_waiter", "channel", "hold_until",
+                 "min_tokens", "started")
 
     def __init__(self) -> None:
         self.hold_until = 0.0  # time.monotonic() before which non-urgent items wait
         self.min_tokens = 1  # tokens one choice gathers before a non-urgent message
+        # set when the request's batches go over its ingress's channel (replicas/channel.py):
+        # then only its choices' last batches and its failure come here, to end `generate`
+        self.channel: Channel | None = None
+        self.started = False  # any choice has had a batch: the request is producing output
         self._items: list[TokenBatch | BaseException] = []
         self._counts: dict[int, int] = {}  # choice -> tokens waiting
         self._seen: set[int] = set()  # choices that have had a batch
@@ -39,11 +45,6 @@ class Outbox:
         waiter = self._waiter
         if waiter is not None and not waiter.done() and self._due():
             waiter.set_result(None)
-
-    @property
-    def started(self) -> bool:
-        """Whether any choice has had a batch (the request is producing output)."""
-        return bool(self._seen)
 
     def _due(self) -> bool:
         if not self._items:

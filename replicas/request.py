@@ -220,3 +220,23 @@ class Sequence:
             return tuple(self.token_ids[start:end])
         return (*self.key_prompt[start:end],
                 *self.token_ids[max(start, self.num_prompt_tokens):end])
+
+
+def coalesce(items: list[TokenBatch]) -> tuple[TokenBatch, ...]:
+    """Batches in order -> one per choice (tokens, logprobs and counts joined)."""
+    merged: dict[int, TokenBatch] = {}
+    for b in items:
+        prev = merged.get(b.choice_index)
+        if prev is None:
+            merged[b.choice_index] = b
+            continue
+        lps = None if prev.logprobs is None else prev.logprobs + (b.logprobs or ())
+        merged[b.choice_index] = TokenBatch(
+            b.choice_index, prev.token_ids + b.token_ids, lps, b.finish_reason, b.stop_reason,
+            prev.num_prompt_tokens, prev.num_cached_tokens,
+            prev.prompt_logprobs if prev.prompt_logprobs is not None else b.prompt_logprobs,
+            accepted_prediction_tokens=(prev.accepted_prediction_tokens
+                                        + b.accepted_prediction_tokens),
+            rejected_prediction_tokens=(prev.rejected_prediction_tokens
+                                        + b.rejected_prediction_tokens))
+    return tuple(merged.values())

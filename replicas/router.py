@@ -10,7 +10,9 @@ random replicas.
 Per-request state is keyed by Serve's internal request id and ends with the request: a request's
 keys, made once in `choose_replicas` (which runs again on every backoff round), leave when it is
 routed, when it completes (Serve calls that for every dispatched request, rejected ones too) or
-when its routing future is cancelled (a request cancelled while queued reaches neither hook)."""
+when its routing future is cancelled (a request cancelled while queued reaches neither hook).
+
+A channel call (replicas/channel.py) is not a request: it goes to the one replica it names."""
 
 from __future__ import annotations
 
@@ -19,9 +21,15 @@ import random
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.serve.request_router import (
+    PendingRequest,
+    ReplicaID,
+    RequestRouter,
+    RunningReplica,
+)
 
 from replicas.block_hash import BlockKey, media_key_tokens, prefix_keys
+from replicas.channel import ChannelOpen
 from replicas.request import GenerateRequest
 
 BLOCK = 16
@@ -59,6 +67,15 @@ class PrefixAffinityRouter(RequestRouter):
                 return arg
         return None
 
+    @staticmethod
+    def _channel_open(pending: PendingRequest | None) -> ChannelOpen | None:
+        if pending is None:
+            return None
+        for arg in pending.args:
+            if isinstance(arg, ChannelOpen):
+                return arg
+        return None
+
     def _match(self, replica: ReplicaID, keys: list[BlockKey]) -> int:
         known = self.prefixes.get(replica)
         if not known:
@@ -93,6 +110,9 @@ class PrefixAffinityRouter(RequestRouter):
                               ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        opening = self._channel_open(pending_request)
+        if opening is not None:  # a channel goes to the replica it names, or nowhere
+            return [[r for r in candidate_replicas if r.replica_id.unique_id == opening.replica]]
         request = self._request(pending_request)
         load = {r.replica_id: self.inflight.get(r.replica_id, 0) for r in candidate_replicas}
         least = min(load.values())

@@ -32,6 +32,7 @@ from serve_app import (admission, chat, multimodal, openapi, reasoning_formats, 
                        tool_choice)
 from serve_app.admission import Admission, Ticket
 from serve_app.auth import APIKeys, client_id, read_key_file, require_api_key
+from serve_app.channels import ChannelHub, Subscription
 from serve_app.config import AppConfig
 from serve_app.errors import APIError, install_handlers, validation_error
 from serve_app.media import MediaFetcher, MediaPolicy
@@ -128,13 +129,17 @@ class Generation:
     it generated past the stop back out of its counters. The call then ends by itself; it is
     cancelled only if it does not within STOP_DRAIN_S, or the board is unreachable."""
 
-    def __init__(self, call: Any, first: tuple[TokenBatch, ...], request_id: str,
+    def __init__(self, call: Subscription, first: tuple[TokenBatch, ...], request_id: str,
                  board: BoardReader) -> None:
         self.call = call
         self.first: tuple[TokenBatch, ...] | None = first
         self.request_id = request_id
         self.board = board
-        self.replica = first[0].replica if first else None
+
+    @property
+    def replica(self) -> str | None:
+        """The replica serving it, once known (stop_choice goes there)."""
+        return self.call.replica
 
     async def __aiter__(self) -> AsyncIterator[tuple[TokenBatch, ...]]:
         if self.first is not None:
@@ -242,6 +247,8 @@ class Ingress:
         with contextlib.suppress(RuntimeError):  # no running loop outside Serve
             self.board.start()
         self.stream_handles = {name: h.options(stream=True) for name, h in handles.items()}
+        self.channels = {name: ChannelHub(h, _replica_id())
+                         for name, h in self.stream_handles.items()}
 
     # ---- plumbing ------------------------------------------------------------------------------
     async def _parse(self, request: Request, model: type[T]) -> T:
@@ -286,20 +293,19 @@ class Ingress:
         """Sends the request to a replica and waits for its first output, within the request's
         queue-wait deadline (plus a grace for a prefill that started just in time)."""
         wait = max(0.0, (gen.deadline or time.time()) - time.time()) + FIRST_OUTPUT_GRACE_S
-        call = None
+        hub = self.channels[served.name]
+        sub = hub.subscribe(gen.request_id, gen.n)
         try:
             # Serve's router may refuse at once (BackPressureError: its queue is full)
-            call = self.stream_handles[served.name].generate.remote(gen)
+            sub.attach(self.stream_handles[served.name].generate.remote(gen, hub.ingress))
             async with asyncio.timeout(wait):
-                first = await call.__anext__()
+                first = await anext(sub)
         except StopAsyncIteration:
             raise APIError("the engine returned no output", 500) from None
         except Exception as exc:
-            if call is not None:
-                with contextlib.suppress(Exception):  # cancel re-raises a failed assignment
-                    call.cancel()
+            sub.cancel()
             raise self._rejection(served, exc) from None
-        return Generation(call, first, gen.request_id, self.board)
+        return Generation(sub, first, gen.request_id, self.board)
 
     async def _start_beside(self, served: ServedModel, gen: GenerateRequest) -> Generation:
         """`_start` for one of several calls a request makes at once, run as a task of its own.

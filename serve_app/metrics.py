@@ -80,6 +80,9 @@ class Metrics:
         self.stream_messages = Gauge("shardserve:replica_stream_messages_total",
                                      "Messages the replicas streamed to the ingress", label,
                                      registry=r)
+        self.channeled = Gauge("shardserve:replica_channeled_requests_total",
+                               "Requests whose tokens went over their ingress's channel (one "
+                               "message per engine step for all its requests)", label, registry=r)
         self.core_restarts = Gauge("shardserve:engine_core_restarts_total",
                                    "Engine cores the replicas restarted (died or hung)", label,
                                    registry=r)
@@ -131,6 +134,7 @@ class Metrics:
         for key, gauge in self.encoder.items():
             gauge.labels(model).set(total(key))
         self.stream_messages.labels(model).set(total("stream_messages"))
+        self.channeled.labels(model).set(total("channeled_requests"))
         self.core_restarts.labels(model).set(total("core_restarts"))
         combos = collections.Counter((r["dtype"], r.get("isa") or "gpu") for r in reports
                                      if "dtype" in r)

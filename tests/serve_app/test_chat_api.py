@@ -4,6 +4,7 @@ The other integration modules run behind Serve's Python proxy."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import time
 
@@ -101,6 +102,41 @@ def test_stream_concatenates_to_non_stream(client: OpenAI) -> None:
     parts = [c.choices[0].delta.content or "" for c in
              client.chat.completions.create(**kwargs, stream=True) if c.choices]
     assert "".join(parts) == full
+
+
+def _counter(base_url: str, name: str) -> float:
+    text = httpx.get(base_url.removesuffix("/v1") + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{"))
+
+
+def test_concurrent_requests_share_the_ingress_channel(base_url: str, client: OpenAI) -> None:
+    """After the module's first requests the ingress has its channel to the replica open, so
+    these requests' tokens come over it: one message per engine step for all of them rather
+    than one per request per step. What each streams is what it answers unstreamed."""
+    channeled, messages = (f"shardserve:replica_{n}_total"
+                           for n in ("channeled_requests", "stream_messages"))
+    time.sleep(1.2)  # the replicas report every 0.5 s
+    before = _counter(base_url, channeled), _counter(base_url, messages)
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0.9,
+                  extra_body={"ignore_eos": True})
+
+    def streamed(seed: int) -> str:
+        return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            **kwargs, seed=seed, stream=True) if c.choices)
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        texts = list(pool.map(streamed, range(16)))
+        whole = list(pool.map(lambda seed: client.chat.completions.create(
+            **kwargs, seed=seed).choices[0].message.content, range(16)))
+    assert texts == whole and len(set(texts)) > 1
+    deadline = time.monotonic() + 5
+    while (_counter(base_url, channeled) < before[0] + 32) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _counter(base_url, channeled) == before[0] + 32
+    # 32 requests x 24 tokens in two waves of ~25 engine steps (measured: 50 messages); each
+    # request streamed over its own call takes at least two (its first token, its last)
+    assert _counter(base_url, messages) - before[1] < 64
 
 
 def test_seed_reproducible_and_n(client: OpenAI) -> None:

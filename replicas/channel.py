@@ -1,0 +1,66 @@
+"""Channels: one stream per (ingress replica, model replica) that carries all of that ingress's
+requests' tokens, one message per engine step.
+
+Streaming every request's tokens through its own Ray Serve call costs a Ray message per request
+per step (~0.4 ms of the replica's CPU and more in the ingress, each): at 256 streams that is most
+of a core, which is why a message budget used to group tokens into bursts. Over a channel the
+replica sends one message per step to each ingress, holding every one of its requests' new
+batches, and the ingress fans them out locally.
+
+A request's own `generate` call stays open for its lifetime: it is what Serve routes, counts
+against `max_ongoing_requests` and cancels when the client leaves (which aborts the request), and
+it carries the request's failure. On a replica that has this ingress's channel it yields one
+`Channeled` marker and then nothing until the request ends; its batches go over the channel. On
+one that has not (yet), it streams the batches itself, as before, and the ingress opens a channel
+to that replica for the requests after.
+
+The channel call is pinned to its replica by `replicas/router.py` (`ChannelOpen` names it)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from replicas.request import TokenBatch
+
+
+@dataclass(frozen=True)
+class ChannelOpen:
+    """The argument of a channel call: the replica it must reach and the ingress it serves."""
+    replica: str
+    ingress: str
+
+
+@dataclass(frozen=True)
+class Channeled:
+    """What a channeled request's `generate` yields first: its batches come over the channel
+    of the ingress from this replica."""
+    replica: str | None
+
+
+class Channel:
+    """The replica's side: batches of the ingress's requests gathered between two sends."""
+
+    __slots__ = ("_pending", "_wake", "closed")
+
+    def __init__(self) -> None:
+        self._pending: dict[str, list[TokenBatch]] = {}
+        self._wake = asyncio.Event()
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+        self._wake.set()
+
+    def put(self, request_id: str, batch: TokenBatch) -> None:
+        self._pending.setdefault(request_id, []).append(batch)
+        self._wake.set()
+
+    async def take(self) -> dict[str, list[TokenBatch]]:
+        """Waits for batches, then returns all of them by request (one engine step's worth when
+        the reader keeps up, more when it does not)."""
+        while not self._pending and not self.closed:
+            self._wake.clear()
+            await self._wake.wait()
+        pending, self._pending = self._pending, {}
+        return pending
