@@ -100,11 +100,11 @@ class LLMServer:
             self._close_channel(channel)
 
     def _close_channel(self, channel: Channel) -> None:
-        """Its requests fail (their ingress can no longer get their tokens); their `generate`
-        calls raise and abort them."""
+        """Its requests are aborted and fail (their ingress can no longer get their tokens)."""
         channel.close()
-        for box in self.core.streams.outboxes.values():
+        for rid, box in list(self.core.streams.outboxes.items()):
             if box.channel is channel:
+                self.core.abort(rid)
                 box.put(EngineError("the stream of this request's tokens to the ingress broke",
                                     status=503, type_="ServiceUnavailableError"))
 

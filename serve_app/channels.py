@@ -28,15 +28,20 @@ _END = object()  # the request's last batch has been queued
 class Subscription:
     """One request's batches, from its channel or its call, iterated like the call itself. Each
     step takes everything that has arrived, one batch per choice: an ingress that falls behind
-    sends fewer, larger SSE events rather than queueing up."""
+    sends fewer, larger SSE events rather than queueing up. After a choice's first batch, a step
+    waits for `min_tokens` of one choice (vLLM's stream interval), or its end."""
 
-    def __init__(self, hub: ChannelHub, request_id: str, n: int) -> None:
+    def __init__(self, hub: ChannelHub, request_id: str, n: int, min_tokens: int = 1) -> None:
         self.hub = hub
         self.request_id = request_id
+        self.min_tokens = min_tokens
         self.call: Any = None
         self.replica: str | None = None
         self._unfinished = n
         self._items: list[Any] = []
+        self._counts: dict[int, int] = {}  # choice -> tokens waiting
+        self._seen: set[int] = set()  # choices whose first batch went out
+        self._urgent = False
         self._waiter: asyncio.Future[None] | None = None
         self._watcher: asyncio.Task | None = None
 
@@ -47,8 +52,21 @@ class Subscription:
 
     def _push(self, item: Any) -> None:
         self._items.append(item)
-        if self._waiter is not None and not self._waiter.done():
+        if isinstance(item, tuple):
+            counts = self._counts
+            for b in item:
+                counts[b.choice_index] = counts.get(b.choice_index, 0) + len(b.token_ids)
+                if b.finish_reason is not None or b.choice_index not in self._seen:
+                    self._urgent = True
+        else:  # its end or its failure
+            self._urgent = True
+        if self._waiter is not None and not self._waiter.done() and self._due():
             self._waiter.set_result(None)
+
+    def _due(self) -> bool:
+        if not self._items:
+            return False
+        return self._urgent or max(self._counts.values(), default=0) >= self.min_tokens
 
     def from_channel(self, batches: tuple[TokenBatch, ...]) -> None:
         self._push(batches)
@@ -80,18 +98,21 @@ class Subscription:
         return self
 
     async def __anext__(self) -> tuple[TokenBatch, ...]:
-        while not self._items:
+        while not self._due():
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
             finally:
                 self._waiter = None
+        self._counts.clear()
+        self._urgent = False
         taken: list[TokenBatch] = []
         for i, item in enumerate(self._items):
             if item is _END or isinstance(item, BaseException):
                 if taken:  # what came before it first
                     self._items = self._items[i:]
-                    return coalesce(taken)
+                    self._urgent = True
+                    return self._out(taken)
                 self._items = []
                 self.close()
                 if item is _END:
@@ -99,7 +120,12 @@ class Subscription:
                 raise item
             taken.extend(item)
         self._items = []
-        return coalesce(taken)
+        return self._out(taken)
+
+    def _out(self, taken: list[TokenBatch]) -> tuple[TokenBatch, ...]:
+        batches = coalesce(taken)
+        self._seen.update(b.choice_index for b in batches)
+        return batches
 
     def cancel(self) -> None:
         """Aborts the request on its replica (cancelling its call) and stops listening."""
@@ -125,9 +151,9 @@ class ChannelHub:
         self.subscriptions: dict[str, Subscription] = {}
         self.readers: dict[str, asyncio.Task] = {}
 
-    def subscribe(self, request_id: str, n: int) -> Subscription:
+    def subscribe(self, request_id: str, n: int, min_tokens: int = 1) -> Subscription:
         """Before the request's call is made: its batches may come over a channel first."""
-        sub = self.subscriptions[request_id] = Subscription(self, request_id, n)
+        sub = self.subscriptions[request_id] = Subscription(self, request_id, n, min_tokens)
         return sub
 
     def open(self, replica: str | None) -> None:

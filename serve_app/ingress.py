@@ -294,7 +294,7 @@ class Ingress:
         queue-wait deadline (plus a grace for a prefill that started just in time)."""
         wait = max(0.0, (gen.deadline or time.time()) - time.time()) + FIRST_OUTPUT_GRACE_S
         hub = self.channels[served.name]
-        sub = hub.subscribe(gen.request_id, gen.n)
+        sub = hub.subscribe(gen.request_id, gen.n, served.config.stream_interval)
         try:
             # Serve's router may refuse at once (BackPressureError: its queue is full)
             sub.attach(self.stream_handles[served.name].generate.remote(gen, hub.ingress))

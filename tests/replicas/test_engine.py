@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from replicas.channel import Channeled, ChannelOpen
 from replicas.deployment import LLMServer, ReplicaConfig
 from replicas.embedded import EMBEDDED_MODEL_ID
 from replicas.request import EngineError, GenerateRequest, SamplingParams
@@ -272,6 +273,43 @@ async def test_message_budget_groups_tokens_under_load(server: LLMServer) -> Non
         assert grouped[0][-1].finish_reason == "length"
 
 
+
+
+async def test_a_channel_carries_its_requests_one_message_per_step(server: LLMServer) -> None:
+    """Requests sent while their ingress's channel is open come over it: `generate` yields one
+    `Channeled` and ends with the request, the tokens are exactly those of direct calls, and
+    one message carries every request's step. Closing the channel fails the requests on it."""
+    prompts = _prompts(4, seed=13)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    direct = await asyncio.gather(*(_collect(server, GenerateRequest(f"ch-d{i}", p, params))
+                                    for i, p in enumerate(prompts)))
+    channel = server.channel(ChannelOpen("this-replica", "ingress-1"))
+    assert await anext(channel) == {}
+
+    async def call(req: GenerateRequest) -> list:
+        return [m async for m in server.generate(req, "ingress-1")]
+    calls = [asyncio.create_task(call(GenerateRequest(f"ch-c{i}", p, params)))
+             for i, p in enumerate(prompts)]
+    got: dict[str, list] = {f"ch-c{i}": [] for i in range(4)}
+    messages = 0
+    while not all(b and b[-1].finish_reason for b in got.values()):
+        message = await anext(channel)
+        messages += 1
+        for rid, batches in message.items():
+            assert len(batches) == 1  # coalesced per choice
+            got[rid].extend(batches)
+    assert [await c for c in calls] == [[Channeled(server.replica_id)]] * 4
+    assert [_tokens(got[f"ch-c{i}"]) for i in range(4)] == [_tokens(d[0]) for d in direct]
+    assert messages <= 16 + 2  # the four requests' steps together (prefills may split)
+    # a request still on a channel that closes fails (its ingress can no longer get its tokens)
+    long = asyncio.create_task(call(GenerateRequest(
+        "ch-long", prompts[0], dataclasses.replace(params, max_tokens=100))))
+    while "ch-long" not in await anext(channel):
+        pass
+    await channel.aclose()
+    with pytest.raises(EngineError, match="broke"):
+        await long
+    assert "ch-long" not in server.core.streams.outboxes
 
 
 async def test_stop_choice_ends_one_choice_and_takes_its_extra_tokens_off_the_counters(

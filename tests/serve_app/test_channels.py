@@ -1,0 +1,134 @@
+"""serve_app/channels.py without Ray: a request's batches from its ingress's channel or from its
+own call, in order, coalesced when the reader falls behind, ended by its choices' last batches."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from replicas.channel import Channeled
+from replicas.request import EngineError, TokenBatch
+from serve_app.channels import ChannelHub
+
+
+class Call:
+    """Stands in for Serve's streaming response: yields what is put, ends at None."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.cancelled = False
+
+    def __aiter__(self) -> Call:
+        return self
+
+    async def __anext__(self) -> object:
+        item = await self.queue.get()
+        if item is None:
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def batch(choice: int, *tokens: int, finish: str | None = None,
+          replica: str | None = None) -> TokenBatch:
+    return TokenBatch(choice, tokens, finish_reason=finish, replica=replica)
+
+
+def hub_opening(opened: list) -> ChannelHub:
+    hub = ChannelHub(handle=None, ingress="ingress-1")
+    hub.open = opened.append  # type: ignore[method-assign]
+    return hub
+
+
+async def test_a_channeled_request_ends_with_its_choices_last_batches() -> None:
+    hub = hub_opening(opened := [])
+    sub = hub.subscribe("r1", n=2)
+    call = Call()
+    sub.attach(call)
+    # the channel's first batches may come before the call's marker does
+    sub.from_channel((batch(0, 1), batch(1, 2)))
+    assert await anext(sub) == (batch(0, 1), batch(1, 2))
+    call.queue.put_nowait(Channeled("replica-a"))
+    sub.from_channel((batch(0, 3, finish="length"),))
+    assert await anext(sub) == (batch(0, 3, finish="length"),)
+    await asyncio.sleep(0)  # the call's reader takes the marker
+    assert sub.replica == "replica-a" and opened == []
+    sub.from_channel((batch(1, 4, finish="stop"),))
+    assert await anext(sub) == (batch(1, 4, finish="stop"),)
+    with pytest.raises(StopAsyncIteration):  # without waiting for the call to end
+        await anext(sub)
+    assert hub.subscriptions == {}
+    call.queue.put_nowait(None)
+
+
+async def test_a_reader_that_falls_behind_gets_one_batch_per_choice() -> None:
+    hub = hub_opening([])
+    sub = hub.subscribe("r1", n=1)
+    sub.attach(Call())
+    for t in range(5):
+        sub.from_channel((batch(0, t),))
+    assert await anext(sub) == (TokenBatch(0, (0, 1, 2, 3, 4)),)
+
+
+async def test_an_unchanneled_request_streams_over_its_call_and_opens_the_channel() -> None:
+    hub = hub_opening(opened := [])
+    sub = hub.subscribe("r1", n=1)
+    call = Call()
+    sub.attach(call)
+    call.queue.put_nowait((batch(0, 1, replica="replica-b"),))
+    assert await anext(sub) == (batch(0, 1, replica="replica-b"),)
+    assert opened == ["replica-b"] and sub.replica == "replica-b"
+    call.queue.put_nowait((batch(0, 2, finish="length"),))
+    call.queue.put_nowait(None)
+    assert await anext(sub) == (batch(0, 2, finish="length"),)
+    with pytest.raises(StopAsyncIteration):
+        await anext(sub)
+    assert hub.subscriptions == {}
+
+
+async def test_the_calls_failure_comes_after_what_arrived_before_it() -> None:
+    hub = hub_opening([])
+    sub = hub.subscribe("r1", n=1)
+    call = Call()
+    sub.attach(call)
+    call.queue.put_nowait(Channeled("replica-a"))
+    sub.from_channel((batch(0, 1),))
+    call.queue.put_nowait(EngineError("the engine failed", status=503))
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert await anext(sub) == (batch(0, 1),)
+    with pytest.raises(EngineError, match="engine failed"):
+        await anext(sub)
+    assert hub.subscriptions == {}
+
+
+async def test_cancel_aborts_the_call_and_unsubscribes() -> None:
+    hub = hub_opening([])
+    sub = hub.subscribe("r1", n=1)
+    call = Call()
+    sub.attach(call)
+    sub.cancel()
+    assert call.cancelled and hub.subscriptions == {}
+    sub.from_channel((batch(0, 1),))  # a late channel message for it is dropped by the hub
+
+
+async def test_after_a_choices_first_batch_a_step_waits_for_the_stream_interval() -> None:
+    hub = hub_opening([])
+    sub = hub.subscribe("r1", n=1, min_tokens=3)
+    sub.attach(Call())
+    sub.from_channel((batch(0, 1),))
+    assert await anext(sub) == (batch(0, 1),)  # the first batch at once
+    sub.from_channel((batch(0, 2),))
+    sub.from_channel((batch(0, 3),))
+    step = asyncio.ensure_future(anext(sub))
+    await asyncio.sleep(0)
+    assert not step.done()
+    sub.from_channel((batch(0, 4),))
+    assert await step == (TokenBatch(0, (2, 3, 4)),)
+    sub.from_channel((batch(0, 5, finish="length"),))  # the end at once
+    assert await anext(sub) == (batch(0, 5, finish="length"),)
