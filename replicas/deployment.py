@@ -6,8 +6,8 @@ supervises it (replicas/core_client.py) and fans its step messages out to the `g
 with `stream=True`. Where the ingress has a channel open here (`channel`, replicas/channel.py) the
 request's batches go over it, one message per engine step for all of that ingress's requests, and
 `generate` only marks the request channeled and carries its failure; elsewhere it yields tuples of
-`TokenBatch`es itself, coalesced per choice, grouped under load (`stream_messages_per_s`,
-`stream_interval`) so one Ray hop carries several tokens. A cancelled call (the client went away)
+`TokenBatch`es itself, coalesced per choice. The ingress groups tokens into SSE events (the stream
+interval, the message budget this replica reports). A cancelled call (the client went away)
 aborts the request and frees its KV blocks."""
 
 from __future__ import annotations
@@ -65,12 +65,14 @@ class LLMServer:
         self.core: InProcessCore | ProcessCore = (InProcessCore if in_process
                                                   else ProcessCore)(spec)
         info = self.core.info
+        # the message budget the ingresses apply to their streams of this model (0: none),
+        # and the least wait between two of one request's messages (serve_app/channels.py)
         self.stream_budget = (config.stream_messages_per_s
                               if config.stream_messages_per_s is not None
                               else 500.0 if info["on_gpu"] else 50.0)
         # by default on CPUs a request alone still waits 40 ms between messages (25 a second,
-        # below what a reader sees): each message costs ~2 ms of the replica's CPU and more in
-        # the ingress, taken from the engine's cores; one stream's TPOT 10.8 -> 9.3 ms
+        # below what a reader sees): each costs the ingress CPU time taken from the engine's
+        # cores; one stream's TPOT 10.8 -> 9.3 ms
         self.stream_floor_s = (0.04 if config.stream_messages_per_s is None
                                and not info["on_gpu"] else 0.0)
         self.max_model_len = info["max_model_len"]
@@ -113,9 +115,7 @@ class LLMServer:
         """The request's batches, or, where the ingress `channel` has its channel open here, one
         `Channeled` and then nothing until the request ends (its batches go over the channel)."""
         outbox = self.core.add(request)
-        outbox.min_tokens = self.config.stream_interval
         outbox.channel = self.channels.get(channel) if channel is not None else None
-        budget = self.stream_budget
         remaining = request.n
         first = True
         try:
@@ -140,9 +140,6 @@ class LLMServer:
                     batches = (replace(batches[0], replica=self.replica_id), *batches[1:])
                 first = False
                 remaining -= sum(b.finish_reason is not None for b in batches)
-                if budget:
-                    outbox.hold_until = time.monotonic() + max(
-                        self.core.streams.producing / budget, self.stream_floor_s)
                 self.stream_messages += 1
                 yield batches
         finally:
@@ -159,7 +156,9 @@ class LLMServer:
 
     def stats(self) -> dict:
         return {**self.core.stats(), "stream_messages": self.stream_messages,
-                "channeled_requests": self.channeled_requests}
+                "channeled_requests": self.channeled_requests,
+                "stream_messages_per_s": self.stream_budget,
+                "stream_floor_s": self.stream_floor_s}
 
     async def fresh_stats(self) -> dict:
         return await self.core.fresh_stats()

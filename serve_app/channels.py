@@ -13,36 +13,41 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from typing import Any
 
 from replicas.channel import Channeled, ChannelOpen
+from replicas.outbox import Outbox
 from replicas.request import TokenBatch, coalesce
 
 logger = logging.getLogger(__name__)
 
 OPEN_TIMEOUT_S = 10.0  # for a channel's first (empty) message
-_END = object()  # the request's last batch has been queued
+
+
+class _End(Exception):
+    """The request's last batch has been queued."""
 
 
 class Subscription:
-    """One request's batches, from its channel or its call, iterated like the call itself. Each
-    step takes everything that has arrived, one batch per choice: an ingress that falls behind
-    sends fewer, larger SSE events rather than queueing up. After a choice's first batch, a step
-    waits for `min_tokens` of one choice (vLLM's stream interval), or its end."""
+    """One request's batches, from its channel or its call, iterated like the call itself.
+
+    Each step takes everything that has arrived, one batch per choice, from an `Outbox`: a
+    choice's first batch, its end and a failure at once; otherwise `min_tokens` of one choice
+    (vLLM's stream interval) and, under a message budget, the request's share of it (the hub's
+    `pace`). An ingress that falls behind sends fewer, larger SSE events rather than queueing."""
 
     def __init__(self, hub: ChannelHub, request_id: str, n: int, min_tokens: int = 1) -> None:
         self.hub = hub
         self.request_id = request_id
-        self.min_tokens = min_tokens
         self.call: Any = None
         self.replica: str | None = None
+        self.box = Outbox()
+        self.box.min_tokens = min_tokens
         self._unfinished = n
-        self._items: list[Any] = []
-        self._counts: dict[int, int] = {}  # choice -> tokens waiting
-        self._seen: set[int] = set()  # choices whose first batch went out
-        self._urgent = False
-        self._waiter: asyncio.Future[None] | None = None
+        self._later: list[TokenBatch | BaseException] = []  # taken, behind a failure or end
+        self._producing = False
         self._watcher: asyncio.Task | None = None
 
     def attach(self, call: Any) -> None:
@@ -50,29 +55,15 @@ class Subscription:
         self.call = call
         self._watcher = asyncio.get_running_loop().create_task(self._watch())
 
-    def _push(self, item: Any) -> None:
-        self._items.append(item)
-        if isinstance(item, tuple):
-            counts = self._counts
-            for b in item:
-                counts[b.choice_index] = counts.get(b.choice_index, 0) + len(b.token_ids)
-                if b.finish_reason is not None or b.choice_index not in self._seen:
-                    self._urgent = True
-        else:  # its end or its failure
-            self._urgent = True
-        if self._waiter is not None and not self._waiter.done() and self._due():
-            self._waiter.set_result(None)
-
-    def _due(self) -> bool:
-        if not self._items:
-            return False
-        return self._urgent or max(self._counts.values(), default=0) >= self.min_tokens
+    def _put(self, batches: tuple[TokenBatch, ...]) -> None:
+        for b in batches:
+            self.box.put(b)
 
     def from_channel(self, batches: tuple[TokenBatch, ...]) -> None:
-        self._push(batches)
+        self._put(batches)
         self._unfinished -= sum(b.finish_reason is not None for b in batches)
         if self._unfinished <= 0:
-            self._push(_END)
+            self.box.put(_End())
 
     async def _watch(self) -> None:
         """Reads the request's own call: its batches (not channeled), its failure, its end."""
@@ -86,46 +77,38 @@ class Subscription:
                 if self.replica is None and item:
                     self.replica = item[0].replica
                     self.hub.open(self.replica)
-                self._push(item)
+                self._put(item)
             if not channeled:
-                self._push(_END)
+                self.box.put(_End())
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 (the call's failure is the request's)
-            self._push(exc)
+            self.box.put(exc)
 
     def __aiter__(self) -> Subscription:
         return self
 
     async def __anext__(self) -> tuple[TokenBatch, ...]:
-        while not self._due():
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        self._counts.clear()
-        self._urgent = False
+        items, self._later = self._later or await self.box.take(), []
         taken: list[TokenBatch] = []
-        for i, item in enumerate(self._items):
-            if item is _END or isinstance(item, BaseException):
+        for i, item in enumerate(items):
+            if isinstance(item, BaseException):
                 if taken:  # what came before it first
-                    self._items = self._items[i:]
-                    self._urgent = True
-                    return self._out(taken)
-                self._items = []
+                    self._later = items[i:]
+                    break
                 self.close()
-                if item is _END:
+                if isinstance(item, _End):
                     raise StopAsyncIteration
                 raise item
-            taken.extend(item)
-        self._items = []
-        return self._out(taken)
-
-    def _out(self, taken: list[TokenBatch]) -> tuple[TokenBatch, ...]:
-        batches = coalesce(taken)
-        self._seen.update(b.choice_index for b in batches)
-        return batches
+            taken.append(item)
+        hub = self.hub
+        if not self._producing:
+            self._producing = True
+            hub.producing += 1
+        budget, floor = hub.pace
+        if budget:
+            self.box.hold_until = time.monotonic() + max(hub.producing / budget, floor)
+        return coalesce(taken)
 
     def cancel(self) -> None:
         """Aborts the request on its replica (cancelling its call) and stops listening."""
@@ -140,6 +123,9 @@ class Subscription:
         """Stops taking the channel's batches (the call, if it still runs, ends by itself)."""
         if self.hub.subscriptions.get(self.request_id) is self:
             del self.hub.subscriptions[self.request_id]
+        if self._producing:
+            self._producing = False
+            self.hub.producing -= 1
 
 
 class ChannelHub:
@@ -150,6 +136,10 @@ class ChannelHub:
         self.ingress = ingress
         self.subscriptions: dict[str, Subscription] = {}
         self.readers: dict[str, asyncio.Task] = {}
+        self.producing = 0  # subscriptions that have had output: they share the budget
+        # (messages per second shared by the producing subscriptions, 0: none; the least wait
+        # between two of one request's messages), as the model's replicas report it
+        self.pace: tuple[float, float] = (0.0, 0.0)
 
     def subscribe(self, request_id: str, n: int, min_tokens: int = 1) -> Subscription:
         """Before the request's call is made: its batches may come over a channel first."""

@@ -294,6 +294,10 @@ class Ingress:
         queue-wait deadline (plus a grace for a prefill that started just in time)."""
         wait = max(0.0, (gen.deadline or time.time()) - time.time()) + FIRST_OUTPUT_GRACE_S
         hub = self.channels[served.name]
+        for stats in self.board.fresh(served.name):
+            if "stream_messages_per_s" in stats:
+                hub.pace = (stats["stream_messages_per_s"], stats["stream_floor_s"])
+                break
         sub = hub.subscribe(gen.request_id, gen.n, served.config.stream_interval)
         try:
             # Serve's router may refuse at once (BackPressureError: its queue is full)

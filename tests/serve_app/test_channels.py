@@ -4,6 +4,7 @@ own call, in order, coalesced when the reader falls behind, ended by its choices
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -132,3 +133,28 @@ async def test_after_a_choices_first_batch_a_step_waits_for_the_stream_interval(
     assert await step == (TokenBatch(0, (2, 3, 4)),)
     sub.from_channel((batch(0, 5, finish="length"),))  # the end at once
     assert await anext(sub) == (batch(0, 5, finish="length"),)
+
+
+async def test_under_a_message_budget_a_request_waits_its_share_between_messages() -> None:
+    hub = hub_opening([])
+    hub.pace = (8.0, 0.0)  # 8 messages a second for all of the ingress's producing streams
+    subs = [hub.subscribe(f"r{i}", n=1) for i in range(4)]
+    for i, sub in enumerate(subs):
+        sub.attach(Call())
+        sub.from_channel((batch(0, i),))
+        assert await anext(sub) == (batch(0, i),)  # a first batch at once
+    assert hub.producing == 4
+    sub = subs[3]
+    assert sub.box.hold_until - time.monotonic() > 0.4  # its share: 4 streams / 8 a second
+    sub.from_channel((batch(0, 1),))
+    step = asyncio.ensure_future(anext(sub))
+    await asyncio.sleep(0.01)
+    assert not step.done()  # held
+    sub.box.hold_until = time.monotonic() - 1  # the hold passes: the next output ends it
+    sub.from_channel((batch(0, 2),))
+    assert await step == (TokenBatch(0, (1, 2)),)
+    sub.from_channel((batch(0, 3, finish="length"),))  # held again, but an end goes at once
+    assert await anext(sub) == (batch(0, 3, finish="length"),)
+    with pytest.raises(StopAsyncIteration):
+        await anext(sub)
+    assert hub.producing == 3
