@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from replicas import core_protocol as proto
 from replicas.request import TokenBatch
 
 
@@ -39,12 +40,13 @@ class Channeled:
 
 
 class Channel:
-    """The replica's side: batches of the ingress's requests gathered between two sends."""
+    """The replica's side: the rows (`core_protocol.batch_row`) of the ingress's requests
+    gathered between two sends, sent as one msgpack message."""
 
-    __slots__ = ("_pending", "_wake", "closed")
+    __slots__ = ("_rows", "_wake", "closed")
 
     def __init__(self) -> None:
-        self._pending: dict[str, list[TokenBatch]] = {}
+        self._rows: list[list] = []
         self._wake = asyncio.Event()
         self.closed = False
 
@@ -52,15 +54,23 @@ class Channel:
         self.closed = True
         self._wake.set()
 
-    def put(self, request_id: str, batch: TokenBatch) -> None:
-        self._pending.setdefault(request_id, []).append(batch)
+    def put_row(self, row: list) -> None:
+        self._rows.append(row)
         self._wake.set()
 
-    async def take(self) -> dict[str, list[TokenBatch]]:
-        """Waits for batches, then returns all of them by request (one engine step's worth when
-        the reader keeps up, more when it does not)."""
-        while not self._pending and not self.closed:
+    async def take(self) -> bytes:
+        """Waits for rows, then returns all of them as one message (one engine step's when the
+        reader keeps up, more when it does not)."""
+        while not self._rows and not self.closed:
             self._wake.clear()
             await self._wake.wait()
-        pending, self._pending = self._pending, {}
-        return pending
+        rows, self._rows = self._rows, []
+        return proto.encode(rows)
+
+
+def decode(message: bytes) -> dict[str, list[TokenBatch]]:
+    """A channel message -> each request's batches, in order."""
+    out: dict[str, list[TokenBatch]] = {}
+    for row in proto.decode(message):
+        out.setdefault(row[0], []).append(proto.row_batch(row))
+    return out

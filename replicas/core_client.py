@@ -70,21 +70,48 @@ class Streams:
 
     def dispatch(self, outputs: list[tuple[str, TokenBatch]],
                  errors: list[tuple[str, BaseException]]) -> None:
+        """One step's outputs as the in-process engine makes them (the engine-alone baseline
+        keeps its objects: no rows made and decoded again)."""
         boxes = self.outboxes
         for request_id, batch in outputs:
             box = boxes.get(request_id)
-            if box is not None:
-                if not box.started:
-                    box.started = True
-                    self.producing += 1
-                if box.channel is None:
-                    box.put(batch)
-                    continue
-                box.channel.put(request_id, batch)
-                if batch.finish_reason is not None:
-                    box.put(batch)
+            if box is None:
+                continue
+            self._produced(box)
+            if box.channel is None:
+                box.put(batch)
+                continue
+            box.channel.put_row(proto.batch_row(request_id, batch))
+            if batch.finish_reason is not None:
+                box.put(batch)
+        self._fail(errors)
+
+    def dispatch_rows(self, rows: list[list], errors: list[tuple[str, BaseException]]) -> None:
+        """One step's outputs as the core process sends them (`proto.batch_row`). A channeled
+        request's rows go to its channel undecoded (only its choices' last batches are decoded,
+        to end its `generate`): the front makes no objects per token for it."""
+        boxes = self.outboxes
+        for row in rows:
+            box = boxes.get(row[0])
+            if box is None:
+                continue
+            self._produced(box)
+            if box.channel is None:
+                box.put(proto.row_batch(row))
+                continue
+            box.channel.put_row(row)
+            if row[3] is not None:  # its finish_reason
+                box.put(proto.row_batch(row))
+        self._fail(errors)
+
+    def _produced(self, box: Outbox) -> None:
+        if not box.started:
+            box.started = True
+            self.producing += 1
+
+    def _fail(self, errors: list[tuple[str, BaseException]]) -> None:
         for request_id, exc in errors:
-            box = boxes.pop(request_id, None)
+            box = self.outboxes.pop(request_id, None)
             if box is not None:
                 self._drop(box)
                 box.put(exc)
@@ -306,8 +333,8 @@ class ProcessCore:
                 self._heard = time.monotonic()
                 kind = message[0]
                 if kind == proto.STEP:
-                    outputs, errors = proto.decode_step(message[1], message[2])
-                    self._call(self.streams.dispatch, outputs, errors)
+                    self._call(self.streams.dispatch_rows, message[1],
+                               proto.decode_errors(message[2]))
                 elif kind == proto.BEAT:
                     self._stats = message[1]
                 elif kind == proto.STATS:

@@ -3,7 +3,9 @@
 Core -> front, msgpack (one `STEP` message per engine step carries every request's new tokens and
 every failed request's error, as plain lists: no class names, no per-object headers):
   [READY, info]            the model is loaded; `info` describes it (LLMServer.info)
-  [STEP, outputs, errors]  outputs: [request_id, TokenBatch fields...]; errors: [request_id, ...]
+  [STEP, rows, errors]     rows: [request_id, TokenBatch fields...] (`batch_row`), which the
+                           front forwards undecoded to the ingress of a channeled request
+                           (replicas/channel.py); errors: [request_id, ...]
   [BEAT, stats]            every HEARTBEAT_S: the engine's counters and health (also a liveness
                            signal while a long forward runs on the core's compute thread)
   [STATS, token, stats]    the answer to a STATS command
@@ -40,18 +42,30 @@ def _unlp(v: list | None) -> TokenLogprob | None:
     return TokenLogprob(v[0], v[1], v[2], top)
 
 
+def batch_row(rid: str, b: TokenBatch) -> list:
+    """A TokenBatch as a plain list: [request_id, choice, tokens, finish_reason, stop_reason,
+    prompt tokens, cached tokens, accepted, rejected(, logprobs, prompt_logprobs)]."""
+    row: list[Any] = [rid, b.choice_index, b.token_ids, b.finish_reason, b.stop_reason,
+                      b.num_prompt_tokens, b.num_cached_tokens,
+                      b.accepted_prediction_tokens, b.rejected_prediction_tokens]
+    if b.logprobs is not None or b.prompt_logprobs is not None:
+        row.append(None if b.logprobs is None else [_lp(x) for x in b.logprobs])
+        row.append(None if b.prompt_logprobs is None else [_lp(x) for x in b.prompt_logprobs])
+    return row
+
+
+def row_batch(row: list) -> TokenBatch:
+    """`batch_row`'s inverse (without the request id)."""
+    lps = plps = None
+    if len(row) > 9:
+        lps = None if row[9] is None else tuple(_unlp(x) for x in row[9])
+        plps = None if row[10] is None else tuple(_unlp(x) for x in row[10])
+    return TokenBatch(row[1], tuple(row[2]), lps, row[3], row[4], row[5], row[6], plps,
+                      accepted_prediction_tokens=row[7], rejected_prediction_tokens=row[8])
+
+
 def encode_step(outputs: list[tuple[str, TokenBatch]],
                 errors: list[tuple[str, BaseException]]) -> bytes:
-    outs = []
-    for rid, b in outputs:
-        row: list[Any] = [rid, b.choice_index, b.token_ids, b.finish_reason, b.stop_reason,
-                          b.num_prompt_tokens, b.num_cached_tokens,
-                          b.accepted_prediction_tokens, b.rejected_prediction_tokens]
-        if b.logprobs is not None or b.prompt_logprobs is not None:
-            row.append(None if b.logprobs is None else [_lp(x) for x in b.logprobs])
-            row.append(None if b.prompt_logprobs is None
-                       else [_lp(x) for x in b.prompt_logprobs])
-        outs.append(row)
     errs = []
     for rid, exc in errors:
         if isinstance(exc, EngineError):
@@ -59,23 +73,12 @@ def encode_step(outputs: list[tuple[str, TokenBatch]],
         else:
             errs.append([rid, f"{type(exc).__name__}: {exc}", 500, None,
                          "InternalServerError", None])
-    return msgpack.packb([STEP, outs, errs])
+    return msgpack.packb([STEP, [batch_row(rid, b) for rid, b in outputs], errs])
 
 
-def decode_step(outs: list, errs: list) -> tuple[list[tuple[str, TokenBatch]],
-                                                 list[tuple[str, EngineError]]]:
-    outputs = []
-    for row in outs:
-        lps = plps = None
-        if len(row) > 9:
-            lps = None if row[9] is None else tuple(_unlp(x) for x in row[9])
-            plps = None if row[10] is None else tuple(_unlp(x) for x in row[10])
-        outputs.append((row[0], TokenBatch(row[1], tuple(row[2]), lps, row[3], row[4], row[5],
-                                           row[6], plps, accepted_prediction_tokens=row[7],
-                                           rejected_prediction_tokens=row[8])))
-    errors = [(rid, EngineError(msg, status, param, type_, retry))
-              for rid, msg, status, param, type_, retry in errs]
-    return outputs, errors
+def decode_errors(errs: list) -> list[tuple[str, EngineError]]:
+    return [(rid, EngineError(msg, status, param, type_, retry))
+            for rid, msg, status, param, type_, retry in errs]
 
 
 def encode(message: list) -> bytes:

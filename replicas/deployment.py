@@ -22,6 +22,7 @@ from dataclasses import asdict, replace
 import ray
 from ray import serve
 
+from replicas import core_protocol as proto
 from replicas import status_board
 from replicas.channel import Channel, Channeled, ChannelOpen
 from replicas.core_client import InProcessCore, ProcessCore
@@ -81,21 +82,21 @@ class LLMServer:
         self.channels: dict[str, Channel] = {}  # by ingress replica
         self.channeled_requests = 0
 
-    async def channel(self, open_: ChannelOpen) -> AsyncIterator[dict[str, tuple[TokenBatch, ...]]]:
+    async def channel(self, open_: ChannelOpen) -> AsyncIterator[bytes]:
         """The channel of the ingress `open_.ingress`: an empty message at once (it is open),
-        then its channeled requests' batches, coalesced per request, one message per wake-up
-        (an engine step's outputs while the ingress keeps up). A second open from the same
-        ingress (it lost the first) replaces the first."""
+        then its channeled requests' rows, one message per wake-up (an engine step's outputs
+        while the ingress keeps up; `replicas.channel.decode` reads them). A second open from
+        the same ingress (it lost the first) replaces the first."""
         old = self.channels.pop(open_.ingress, None)
         if old is not None:
             self._close_channel(old)
         channel = self.channels[open_.ingress] = Channel()
         try:
-            yield {}
+            yield proto.encode([])
             while not channel.closed:
-                pending = await channel.take()
+                message = await channel.take()
                 self.stream_messages += 1
-                yield {rid: coalesce(items) for rid, items in pending.items()}
+                yield message
         finally:
             if self.channels.get(open_.ingress) is channel:
                 del self.channels[open_.ingress]
@@ -187,7 +188,7 @@ class LLMReplica:
             async for batches in stream:
                 yield batches
 
-    async def channel(self, open_: ChannelOpen) -> AsyncIterator[dict[str, tuple[TokenBatch, ...]]]:
+    async def channel(self, open_: ChannelOpen) -> AsyncIterator[bytes]:
         async with contextlib.aclosing(self.server.channel(open_)) as stream:
             async for message in stream:
                 yield message

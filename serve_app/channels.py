@@ -17,7 +17,7 @@ import time
 import uuid
 from typing import Any
 
-from replicas.channel import Channeled, ChannelOpen
+from replicas.channel import Channeled, ChannelOpen, decode
 from replicas.outbox import Outbox
 from replicas.request import TokenBatch, coalesce
 
@@ -55,11 +55,11 @@ class Subscription:
         self.call = call
         self._watcher = asyncio.get_running_loop().create_task(self._watch())
 
-    def _put(self, batches: tuple[TokenBatch, ...]) -> None:
+    def _put(self, batches: list[TokenBatch] | tuple[TokenBatch, ...]) -> None:
         for b in batches:
             self.box.put(b)
 
-    def from_channel(self, batches: tuple[TokenBatch, ...]) -> None:
+    def from_channel(self, batches: list[TokenBatch] | tuple[TokenBatch, ...]) -> None:
         self._put(batches)
         self._unfinished -= sum(b.finish_reason is not None for b in batches)
         if self._unfinished <= 0:
@@ -164,7 +164,7 @@ class ChannelHub:
                 await anext(call)
             async for message in call:
                 subs = self.subscriptions
-                for request_id, batches in message.items():
+                for request_id, batches in decode(message).items():
                     sub = subs.get(request_id)
                     if sub is not None:
                         sub.from_channel(batches)

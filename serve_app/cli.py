@@ -55,11 +55,11 @@ def _serve_parser(sub: Any) -> None:
                    help="tokens per streamed message after the first (default 1: every token); "
                         "larger values cut per-token serving overhead")
     p.add_argument("--stream-messages-per-s", type=float,
-                   help="a replica's budget of streamed messages per second, shared by its "
-                        "running requests: under load each request's tokens are grouped so "
-                        "it waits at least running/budget s between messages (default 500 "
-                        "where the model runs on GPUs, 50 on CPUs; 0: one message per token, "
-                        "whatever the load)")
+                   help="each ingress replica's budget of streamed messages (SSE events) per "
+                        "second for the model, shared by its streaming requests: under load "
+                        "each request's tokens are grouped so it waits at least "
+                        "streams/budget s between events (default 500 where the model runs on "
+                        "GPUs, 50 on CPUs; 0: an event per engine step, whatever the load)")
     p.add_argument("--tool-call-parser",
                    choices=["hermes", "qwen3_coder", "llama3_json", "mistral", "deepseek_v3"],
                    help="how the model writes tool calls (default: detected from its chat "

@@ -67,8 +67,8 @@ class ModelConfig(BaseModel):
     structured_timeout_s: float = Field(10.0, gt=0)  # the compile limit of one constraint
     # tokens per streamed message after the first (vLLM's --stream-interval); 1: every token
     stream_interval: int = Field(1, ge=1)
-    # the replica's streamed messages per second, shared by its running requests (0: no limit;
-    # None: 500 on GPUs, 50 on CPUs)
+    # each ingress's streamed messages (SSE events) per second for this model, shared by its
+    # streaming requests (0: no limit; None: 500 on GPUs, 50 on CPUs)
     stream_messages_per_s: float | None = Field(None, ge=0)
     enforce_eager: bool = False
     # the replica kills and restarts its engine core when a step runs this long (a hung

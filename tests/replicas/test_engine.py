@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from replicas.channel import Channeled, ChannelOpen
+from replicas.channel import Channeled, ChannelOpen, decode
 from replicas.deployment import LLMServer, ReplicaConfig
 from replicas.embedded import EMBEDDED_MODEL_ID
 from replicas.request import EngineError, GenerateRequest, SamplingParams
@@ -244,7 +244,7 @@ async def test_a_channel_carries_its_requests_one_message_per_step(server: LLMSe
     direct = await asyncio.gather(*(_collect(server, GenerateRequest(f"ch-d{i}", p, params))
                                     for i, p in enumerate(prompts)))
     channel = server.channel(ChannelOpen("this-replica", "ingress-1"))
-    assert await anext(channel) == {}
+    assert decode(await anext(channel)) == {}
 
     async def call(req: GenerateRequest) -> list:
         return [m async for m in server.generate(req, "ingress-1")]
@@ -253,10 +253,10 @@ async def test_a_channel_carries_its_requests_one_message_per_step(server: LLMSe
     got: dict[str, list] = {f"ch-c{i}": [] for i in range(4)}
     messages = 0
     while not all(b and b[-1].finish_reason for b in got.values()):
-        message = await anext(channel)
+        message = decode(await anext(channel))
         messages += 1
         for rid, batches in message.items():
-            assert len(batches) == 1  # coalesced per choice
+            assert len(batches) == 1  # one step's
             got[rid].extend(batches)
     assert [await c for c in calls] == [[Channeled(server.replica_id)]] * 4
     assert [_tokens(got[f"ch-c{i}"]) for i in range(4)] == [_tokens(d[0]) for d in direct]
@@ -264,7 +264,7 @@ async def test_a_channel_carries_its_requests_one_message_per_step(server: LLMSe
     # a request still on a channel that closes fails (its ingress can no longer get its tokens)
     long = asyncio.create_task(call(GenerateRequest(
         "ch-long", prompts[0], dataclasses.replace(params, max_tokens=100))))
-    while "ch-long" not in await anext(channel):
+    while "ch-long" not in decode(await anext(channel)):
         pass
     await channel.aclose()
     with pytest.raises(EngineError, match="broke"):

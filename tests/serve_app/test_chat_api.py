@@ -134,9 +134,9 @@ def test_concurrent_requests_share_the_ingress_channel(base_url: str, client: Op
     while (_counter(base_url, channeled) < before[0] + 32) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _counter(base_url, channeled) == before[0] + 32
-    # 32 requests x 24 tokens in two waves of ~25 engine steps (measured: 50 messages); each
-    # request streamed over its own call takes at least two (its first token, its last)
-    assert _counter(base_url, messages) - before[1] < 64
+    # 32 requests x 24 tokens in two waves of ~25-35 engine steps (measured: 50-64 messages);
+    # over their own calls they would take one a token (768: the replica does not group them)
+    assert _counter(base_url, messages) - before[1] < 200
 
 
 def test_seed_reproducible_and_n(client: OpenAI) -> None:
