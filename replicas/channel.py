@@ -14,7 +14,10 @@ it carries the request's failure. On a replica that has this ingress's channel i
 one that has not (yet), it streams the batches itself, as before, and the ingress opens a channel
 to that replica for the requests after.
 
-The channel call is pinned to its replica by `replicas/router.py` (`ChannelOpen` names it)."""
+The channel call is pinned to its replica by `replicas/router.py` (`ChannelOpen` names it). A
+channel with no request on it for `IDLE_S` ends (the ingress opens it again with its next request
+there): Serve drains a replica it stops by waiting for its calls, and a channel never ends by
+itself."""
 
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ from dataclasses import dataclass
 
 from replicas import core_protocol as proto
 from replicas.request import TokenBatch
+
+IDLE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -58,12 +63,16 @@ class Channel:
         self._rows.append(row)
         self._wake.set()
 
-    async def take(self) -> bytes:
+    async def take(self, idle_s: float | None = None) -> bytes | None:
         """Waits for rows, then returns all of them as one message (one engine step's when the
-        reader keeps up, more when it does not)."""
+        reader keeps up, more when it does not); None after `idle_s` without any."""
         while not self._rows and not self.closed:
             self._wake.clear()
-            await self._wake.wait()
+            try:
+                async with asyncio.timeout(idle_s):
+                    await self._wake.wait()
+            except TimeoutError:
+                return None
         rows, self._rows = self._rows, []
         return proto.encode(rows)
 

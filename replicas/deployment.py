@@ -24,7 +24,7 @@ from ray import serve
 
 from replicas import core_protocol as proto
 from replicas import status_board
-from replicas.channel import Channel, Channeled, ChannelOpen
+from replicas.channel import IDLE_S, Channel, Channeled, ChannelOpen
 from replicas.core_client import InProcessCore, ProcessCore
 from replicas.engine_core import CoreSpec, ReplicaConfig
 from replicas.request import EngineError, GenerateRequest, TokenBatch, coalesce
@@ -85,8 +85,9 @@ class LLMServer:
     async def channel(self, open_: ChannelOpen) -> AsyncIterator[bytes]:
         """The channel of the ingress `open_.ingress`: an empty message at once (it is open),
         then its channeled requests' rows, one message per wake-up (an engine step's outputs
-        while the ingress keeps up; `replicas.channel.decode` reads them). A second open from
-        the same ingress (it lost the first) replaces the first."""
+        while the ingress keeps up; `replicas.channel.decode` reads them), until it has been
+        idle for IDLE_S. A second open from the same ingress (it lost the first) replaces the
+        first."""
         old = self.channels.pop(open_.ingress, None)
         if old is not None:
             self._close_channel(old)
@@ -94,7 +95,11 @@ class LLMServer:
         try:
             yield proto.encode([])
             while not channel.closed:
-                message = await channel.take()
+                message = await channel.take(IDLE_S)
+                if message is None:
+                    if any(box.channel is channel for box in self.core.streams.outboxes.values()):
+                        continue
+                    break  # idle: see replicas/channel.py
                 self.stream_messages += 1
                 yield message
         finally:

@@ -272,6 +272,20 @@ async def test_a_channel_carries_its_requests_one_message_per_step(server: LLMSe
     assert "ch-long" not in server.core.streams.outboxes
 
 
+async def test_an_idle_channel_ends(server: LLMServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Serve drains a replica it stops by waiting for its calls: a channel with no request on
+    it ends after IDLE_S (its ingress opens it again with its next request here)."""
+    from replicas import deployment
+    monkeypatch.setattr(deployment, "IDLE_S", 0.05)
+    channel = server.channel(ChannelOpen("this-replica", "ingress-2"))
+    assert decode(await anext(channel)) == {}
+    assert "ingress-2" in server.channels
+    with pytest.raises(StopAsyncIteration):
+        async with asyncio.timeout(5):
+            await anext(channel)
+    assert "ingress-2" not in server.channels
+
+
 async def test_stop_choice_ends_one_choice_and_takes_its_extra_tokens_off_the_counters(
         server: LLMServer) -> None:
     """The ingress found a stop string after 3 tokens of choice 0 (the engine had made more):

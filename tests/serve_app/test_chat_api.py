@@ -120,6 +120,8 @@ def test_concurrent_requests_share_the_ingress_channel(base_url: str, client: Op
     before = _counter(base_url, channeled), _counter(base_url, messages)
     kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0.9,
                   extra_body={"ignore_eos": True})
+    # a channel idle for 2 s has ended: this request opens it again if so (over its own call)
+    client.chat.completions.create(**{**kwargs, "max_tokens": 48})
 
     def streamed(seed: int) -> str:
         return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
@@ -133,10 +135,11 @@ def test_concurrent_requests_share_the_ingress_channel(base_url: str, client: Op
     deadline = time.monotonic() + 5
     while (_counter(base_url, channeled) < before[0] + 32) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _counter(base_url, channeled) == before[0] + 32
-    # 32 requests x 24 tokens in two waves of ~25-35 engine steps (measured: 50-64 messages);
-    # over their own calls they would take one a token (768: the replica does not group them)
-    assert _counter(base_url, messages) - before[1] < 200
+    assert _counter(base_url, channeled) - before[0] in (32, 33)
+    # 32 requests x 24 tokens in two waves of ~25-35 engine steps (measured: 50-64 messages)
+    # and the first request's 48; over their own calls they would take one a token (816: the
+    # replica does not group them)
+    assert _counter(base_url, messages) - before[1] < 250
 
 
 def test_seed_reproducible_and_n(client: OpenAI) -> None:
