@@ -177,7 +177,3 @@ class ChannelHub:
                 call.cancel()
             if self.readers.get(replica) is asyncio.current_task():
                 del self.readers[replica]
-
-    def close(self) -> None:
-        for task in list(self.readers.values()):
-            task.cancel()
