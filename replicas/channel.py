@@ -11,8 +11,9 @@ A request's own `generate` call stays open for its lifetime: it is what Serve ro
 against `max_ongoing_requests` and cancels when the client leaves (which aborts the request), and
 it carries the request's failure. On a replica that has this ingress's channel it yields one
 `Channeled` marker and then nothing until the request ends; its batches go over the channel. On
-one that has not (yet), it streams the batches itself, as before, and the ingress opens a channel
-to that replica for the requests after.
+one that has not, it first yields `NeedChannel`, on which the ingress opens one, and waits up to
+`OPEN_WAIT_S` for it before the request starts (one Serve call, milliseconds); only if none comes
+does it stream the request's batches itself.
 
 The channel call is pinned to its replica by `replicas/router.py` (`ChannelOpen` names it). A
 channel with no request on it for `IDLE_S` ends (the ingress opens it again with its next request
@@ -28,6 +29,7 @@ from replicas import core_protocol as proto
 from replicas.request import TokenBatch
 
 IDLE_S = 2.0
+OPEN_WAIT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,12 @@ class ChannelOpen:
     """The argument of a channel call: the replica it must reach and the ingress it serves."""
     replica: str
     ingress: str
+
+
+@dataclass(frozen=True)
+class NeedChannel:
+    """What `generate` yields first on a replica without the ingress's channel: open one."""
+    replica: str
 
 
 @dataclass(frozen=True)

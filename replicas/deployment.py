@@ -24,7 +24,7 @@ from ray import serve
 
 from replicas import core_protocol as proto
 from replicas import status_board
-from replicas.channel import IDLE_S, Channel, Channeled, ChannelOpen
+from replicas.channel import IDLE_S, OPEN_WAIT_S, Channel, Channeled, ChannelOpen, NeedChannel
 from replicas.core_client import InProcessCore, ProcessCore
 from replicas.engine_core import CoreSpec, ReplicaConfig
 from replicas.request import EngineError, GenerateRequest, TokenBatch, coalesce
@@ -80,6 +80,7 @@ class LLMServer:
         self.vocab_size = info["vocab_size"]
         self.stream_messages = 0  # yields of generate and channels: Ray messages to the ingress
         self.channels: dict[str, Channel] = {}  # by ingress replica
+        self._opened: dict[str, asyncio.Event] = {}  # set when that ingress's channel opens
         self.channeled_requests = 0
 
     async def channel(self, open_: ChannelOpen) -> AsyncIterator[bytes]:
@@ -92,6 +93,9 @@ class LLMServer:
         if old is not None:
             self._close_channel(old)
         channel = self.channels[open_.ingress] = Channel()
+        opened = self._opened.pop(open_.ingress, None)
+        if opened is not None:
+            opened.set()
         try:
             yield proto.encode([])
             while not channel.closed:
@@ -117,9 +121,16 @@ class LLMServer:
                                     status=503, type_="ServiceUnavailableError"))
 
     async def generate(self, request: GenerateRequest, channel: str | None = None
-                       ) -> AsyncIterator[tuple[TokenBatch, ...] | Channeled]:
-        """The request's batches, or, where the ingress `channel` has its channel open here, one
+                       ) -> AsyncIterator[tuple[TokenBatch, ...] | Channeled | NeedChannel]:
+        """The request's batches; or, given its ingress (`channel`) and once that ingress's
+        channel is open here (asked for by a `NeedChannel`, waited for up to OPEN_WAIT_S), one
         `Channeled` and then nothing until the request ends (its batches go over the channel)."""
+        if channel is not None and channel not in self.channels and self.replica_id is not None:
+            yield NeedChannel(self.replica_id)
+            opened = self._opened.setdefault(channel, asyncio.Event())
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(OPEN_WAIT_S):
+                    await opened.wait()
         outbox = self.core.add(request)
         outbox.channel = self.channels.get(channel) if channel is not None else None
         remaining = request.n
@@ -188,7 +199,7 @@ class LLMReplica:
             ctx.app_name, replica, self.server.stop_choice))
 
     async def generate(self, request: GenerateRequest, channel: str | None = None
-                       ) -> AsyncIterator[tuple[TokenBatch, ...] | Channeled]:
+                       ) -> AsyncIterator[tuple[TokenBatch, ...] | Channeled | NeedChannel]:
         async with contextlib.aclosing(self.server.generate(request, channel)) as stream:
             async for batches in stream:
                 yield batches

@@ -3,10 +3,10 @@ model replica its requests have reached, and each request's batches handed to it
 from its own `generate` call.
 
 A request is subscribed before its call is made (its first batches may come over the channel
-before the call's `Channeled` marker does). A request that reached a replica without this
-ingress's channel streams over its own call, and opens the channel for the requests after it. A
-channeled request ends when every choice has had its last batch; its call still carries its
-failure and is what is cancelled to abort it."""
+before the call's `Channeled` marker does). A request that reaches a replica without this
+ingress's channel asks for one (`NeedChannel`) and waits for it there; only if none opens in time
+does it stream over its own call. A channeled request ends when every choice has had its last
+batch; its call still carries its failure and is what is cancelled to abort it."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import time
 import uuid
 from typing import Any
 
-from replicas.channel import Channeled, ChannelOpen, decode
+from replicas.channel import Channeled, ChannelOpen, NeedChannel, decode
 from replicas.outbox import Outbox
 from replicas.request import TokenBatch, coalesce
 
@@ -70,13 +70,15 @@ class Subscription:
         channeled = False
         try:
             async for item in self.call:
+                if isinstance(item, NeedChannel):
+                    self.hub.open(item.replica)
+                    continue
                 if isinstance(item, Channeled):
                     channeled = True
                     self.replica = item.replica
                     continue
                 if self.replica is None and item:
                     self.replica = item[0].replica
-                    self.hub.open(self.replica)
                 self._put(item)
             if not channeled:
                 self.box.put(_End())

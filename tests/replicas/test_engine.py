@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from replicas.channel import Channeled, ChannelOpen, decode
+from replicas.channel import Channeled, ChannelOpen, NeedChannel, decode
 from replicas.deployment import LLMServer, ReplicaConfig
 from replicas.embedded import EMBEDDED_MODEL_ID
 from replicas.request import EngineError, GenerateRequest, SamplingParams
@@ -270,6 +270,35 @@ async def test_a_channel_carries_its_requests_one_message_per_step(server: LLMSe
     with pytest.raises(EngineError, match="broke"):
         await long
     assert "ch-long" not in server.core.streams.outboxes
+
+
+async def test_a_request_waits_for_its_ingress_to_open_the_channel(
+        server: LLMServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a replica without its ingress's channel a request asks for one (`NeedChannel`) and
+    starts once it is open, channeled; none within OPEN_WAIT_S, and it streams by itself."""
+    from replicas import deployment
+    monkeypatch.setattr(server, "replica_id", "this-replica")
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    call = server.generate(GenerateRequest("ch-wait", _prompts(1)[0], params), "ingress-3")
+    assert await anext(call) == NeedChannel("this-replica")
+    started = asyncio.ensure_future(anext(call))
+    await asyncio.sleep(0.05)
+    assert not started.done()  # waiting for the channel
+    channel = server.channel(ChannelOpen("this-replica", "ingress-3"))
+    assert decode(await anext(channel)) == {}
+    assert await started == Channeled("this-replica")
+    tokens: list = []
+    while not tokens or tokens[-1].finish_reason is None:
+        tokens += decode(await anext(channel)).get("ch-wait", [])
+    assert sum(len(b.token_ids) for b in tokens) == 4
+    with pytest.raises(StopAsyncIteration):
+        await anext(call)
+    await channel.aclose()
+    monkeypatch.setattr(deployment, "OPEN_WAIT_S", 0.05)
+    alone = [m async for m in server.generate(GenerateRequest("ch-none", _prompts(1)[0], params),
+                                              "ingress-4")]
+    assert alone[0] == NeedChannel("this-replica")
+    assert sum(len(b.token_ids) for batches in alone[1:] for b in batches) == 4
 
 
 async def test_an_idle_channel_ends(server: LLMServer, monkeypatch: pytest.MonkeyPatch) -> None:

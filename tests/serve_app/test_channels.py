@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from replicas.channel import Channeled
+from replicas.channel import Channeled, NeedChannel
 from replicas.request import EngineError, TokenBatch
 from serve_app.channels import ChannelHub
 
@@ -76,12 +76,13 @@ async def test_a_reader_that_falls_behind_gets_one_batch_per_choice() -> None:
     assert await anext(sub) == (TokenBatch(0, (0, 1, 2, 3, 4)),)
 
 
-async def test_an_unchanneled_request_streams_over_its_call_and_opens_the_channel() -> None:
+async def test_a_request_asks_for_the_channel_and_without_it_streams_over_its_call() -> None:
     hub = hub_opening(opened := [])
     sub = hub.subscribe("r1", n=1)
     call = Call()
     sub.attach(call)
-    call.queue.put_nowait((batch(0, 1, replica="replica-b"),))
+    call.queue.put_nowait(NeedChannel("replica-b"))  # the replica has none from this ingress
+    call.queue.put_nowait((batch(0, 1, replica="replica-b"),))  # and none came in time
     assert await anext(sub) == (batch(0, 1, replica="replica-b"),)
     assert opened == ["replica-b"] and sub.replica == "replica-b"
     call.queue.put_nowait((batch(0, 2, finish="length"),))
