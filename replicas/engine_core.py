@@ -71,16 +71,12 @@ class ReplicaConfig:
     # Python's default 5 ms switch interval, every time the core's event loop thread holds it
     # the forward stalls for up to 5 ms
     gil_switch_interval_s: float | None = 0.0005
-    # tokens a choice buffers before its next message leaves the replica (vLLM's
-    # --stream-interval): the first token and the last always go at once; more than 1 trades
-    # smoothness for fewer messages through the replica -> ingress -> client path
-    stream_interval: int = 1
-    # the replica's budget of streamed messages per second, shared by its running requests: each
-    # waits at least num_running / budget seconds between messages (the first token and the last
-    # go at once); with few streams or slow steps it changes nothing. 0: off. None: 500 where the
-    # model runs on GPUs, 50 on CPUs, where each message costs ~1 ms of CPU in the replica (Ray's
-    # report of a generator item) and ~1.4 ms in the ingress, out of the cores the engine
-    # computes on
+    # the budget of streamed messages (SSE events) per second each ingress applies to its
+    # streams of this model (serve_app/channels.py; the replica works out the default and
+    # reports it): each waits at least streams / budget seconds between messages (the first
+    # token and the last go at once); with few streams or slow steps it changes nothing. 0:
+    # off. None: 500 where the model runs on GPUs, 50 on CPUs, where each event costs the
+    # ingress CPU time out of the cores the engine computes on
     stream_messages_per_s: float | None = None
     # vLLM's --enforce-eager: no CUDA graphs for decode steps (they apply on CUDA at tp 1)
     enforce_eager: bool = False

@@ -1,11 +1,12 @@
-"""Outbox: one request's outputs between the engine core's step messages and the replica's
-`generate`.
+"""Outbox: one request's outputs between where they arrive and the coroutine that sends them on:
+the engine core's step messages and the replica's `generate`, and the ingress's channel messages
+and the request's SSE stream (serve_app/channels.py).
 
-Each step message from the core appends that request's `TokenBatch`es; the consumer is woken only
-when a message is due: an urgent item (a choice's first batch, its finish, an error), or, once its
-hold time has passed, enough tokens of one choice. A held request thus costs the step loop a list append, not a
+Each arrival appends that request's `TokenBatch`es; the consumer is woken only when a message is
+due: an urgent item (a choice's first batch, its finish, an error), or, once its hold time has
+passed, enough tokens of one choice. A held request thus costs the loop a list append, not a
 coroutine wake-up: with hundreds of streams, waking every consumer every step took more of the
-replica's GIL than the step itself. Holds end at the request's next output, not by a timer."""
+process's GIL than the step itself. Holds end at the request's next output, not by a timer."""
 
 from __future__ import annotations
 

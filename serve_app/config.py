@@ -108,7 +108,7 @@ class ModelConfig(BaseModel):
     def replica_config(self, logits_processors: list[str] | None = None) -> ReplicaConfig:
         return ReplicaConfig(
             logits_processors=tuple(logits_processors or ()),
-            structured_timeout_s=self.structured_timeout_s, stream_interval=self.stream_interval,
+            structured_timeout_s=self.structured_timeout_s,
             stream_messages_per_s=self.stream_messages_per_s,
             enforce_eager=self.enforce_eager, step_timeout_s=self.step_timeout_s,
             model=self.checkpoint, max_model_len=self.max_model_len, dtype=self.dtype,
