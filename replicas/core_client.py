@@ -27,10 +27,9 @@ import time
 from typing import Any
 
 from replicas import core_protocol as proto
-from replicas.engine import RETRY_AFTER_S
-from replicas.engine_core import CoreSpec, EngineCore
 from replicas.outbox import Outbox
-from replicas.request import EngineError, GenerateRequest, TokenBatch
+from replicas.replica_config import CoreSpec
+from replicas.request import RETRY_AFTER_S, EngineError, GenerateRequest, TokenBatch
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +126,7 @@ class InProcessCore:
     """The engine core on the caller's event loop (no process, no sockets)."""
 
     def __init__(self, spec: CoreSpec) -> None:
+        from replicas.engine_core import EngineCore  # torch and the model: only in-process
         self.core = EngineCore(spec)
         self.engine = self.core.engine
         self.info = self.core.info

@@ -26,7 +26,7 @@ from replicas import core_protocol as proto
 from replicas import status_board
 from replicas.channel import IDLE_S, OPEN_WAIT_S, Channel, Channeled, ChannelOpen, NeedChannel
 from replicas.core_client import InProcessCore, ProcessCore
-from replicas.engine_core import CoreSpec, ReplicaConfig
+from replicas.replica_config import CoreSpec, ReplicaConfig
 from replicas.request import EngineError, GenerateRequest, TokenBatch, coalesce
 
 __all__ = ["LLMReplica", "LLMServer", "ReplicaConfig"]

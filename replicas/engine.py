@@ -31,8 +31,8 @@ from replicas.kv_cache import BlockManager
 from replicas.block_hash import media_key_tokens
 from replicas.model_runner import (EncoderSlice, RowInput, StepInput, StepOutput,
                                    encoder_slices)
-from replicas.request import (EngineError, GenerateRequest, Sequence, SequenceStatus, TokenBatch,
-                              TokenLogprob)
+from replicas.request import (RETRY_AFTER_S, EngineError, GenerateRequest, Sequence,
+                              SequenceStatus, TokenBatch, TokenLogprob)
 from replicas.sampler import SamplerOutput, compute_logprobs, sample
 from replicas.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 
@@ -112,7 +112,6 @@ def _internal_error(what: str, exc: Exception) -> EngineError:
                        status=500, type_="InternalServerError")
 
 
-RETRY_AFTER_S = 1  # what a 503 for overload tells clients to wait
 
 
 class Engine:

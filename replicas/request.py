@@ -136,6 +136,9 @@ class TokenBatch:
     rejected_prediction_tokens: int = 0
 
 
+RETRY_AFTER_S = 1  # what a 503 for overload tells clients to wait
+
+
 class EngineError(Exception):
     """An error the ingress renders as an OpenAI error envelope with this HTTP status."""
 
