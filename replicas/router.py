@@ -20,6 +20,7 @@ import asyncio
 import random
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TypeVar
 
 from ray.serve.request_router import (
     PendingRequest,
@@ -35,6 +36,7 @@ from replicas.request import GenerateRequest
 BLOCK = 16
 MAX_BLOCKS = 64  # look at most this far into a prompt
 MAX_ENTRIES = 200_000  # remembered block keys per replica
+T = TypeVar("T")
 MAX_PENDING = 10_000  # requests being routed; a backstop, each also leaves with its request
 
 
@@ -59,20 +61,12 @@ class PrefixAffinityRouter(RequestRouter):
         self.pending: OrderedDict[str, _Pending] = OrderedDict()  # by internal request id
 
     @staticmethod
-    def _request(pending: PendingRequest | None) -> GenerateRequest | None:
+    def _arg(pending: PendingRequest | None, kind: type[T]) -> T | None:
+        """The call's argument of this type (a request, or a channel's opening)."""
         if pending is None:
             return None
         for arg in pending.args:
-            if isinstance(arg, GenerateRequest):
-                return arg
-        return None
-
-    @staticmethod
-    def _channel_open(pending: PendingRequest | None) -> ChannelOpen | None:
-        if pending is None:
-            return None
-        for arg in pending.args:
-            if isinstance(arg, ChannelOpen):
+            if isinstance(arg, kind):
                 return arg
         return None
 
@@ -110,10 +104,10 @@ class PrefixAffinityRouter(RequestRouter):
                               ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        opening = self._channel_open(pending_request)
+        opening = self._arg(pending_request, ChannelOpen)
         if opening is not None:  # a channel goes to the replica it names, or nowhere
             return [[r for r in candidate_replicas if r.replica_id.unique_id == opening.replica]]
-        request = self._request(pending_request)
+        request = self._arg(pending_request, GenerateRequest)
         load = {r.replica_id: self.inflight.get(r.replica_id, 0) for r in candidate_replicas}
         least = min(load.values())
         if request is not None:
@@ -135,7 +129,7 @@ class PrefixAffinityRouter(RequestRouter):
         if entry is not None:
             keys = entry.keys
         else:
-            request = self._request(pending_request)
+            request = self._arg(pending_request, GenerateRequest)
             keys = block_keys(request) if request is not None else []
         known = self.prefixes.setdefault(replica_id, OrderedDict())
         for k in keys:

@@ -10,7 +10,7 @@ import pytest
 
 from replicas.channel import Channeled, NeedChannel
 from replicas.request import EngineError, TokenBatch
-from serve_app.channels import ChannelHub
+from serve_app.channels import ChannelHub, Subscription
 
 
 class Call:
@@ -40,17 +40,20 @@ def batch(choice: int, *tokens: int, finish: str | None = None,
     return TokenBatch(choice, tokens, finish_reason=finish, replica=replica)
 
 
-def hub_opening(opened: list) -> ChannelHub:
+def subscribed(n: int = 1, min_tokens: int = 1) -> tuple[ChannelHub, Subscription, Call]:
+    """A hub that records the channels it is asked to open (`hub.opened`), and one request
+    subscribed on it with its call attached."""
     hub = ChannelHub(handle=None, ingress="ingress-1")
-    hub.open = opened.append  # type: ignore[method-assign]
-    return hub
+    hub.opened = []  # type: ignore[attr-defined]
+    hub.open = hub.opened.append  # type: ignore[attr-defined, method-assign]
+    sub = hub.subscribe("r1", n=n, min_tokens=min_tokens)
+    call = Call()
+    sub.attach(call)
+    return hub, sub, call
 
 
 async def test_a_channeled_request_ends_with_its_choices_last_batches() -> None:
-    hub = hub_opening(opened := [])
-    sub = hub.subscribe("r1", n=2)
-    call = Call()
-    sub.attach(call)
+    hub, sub, call = subscribed(n=2)
     # the channel's first batches may come before the call's marker does
     sub.from_channel((batch(0, 1), batch(1, 2)))
     assert await anext(sub) == (batch(0, 1), batch(1, 2))
@@ -58,7 +61,7 @@ async def test_a_channeled_request_ends_with_its_choices_last_batches() -> None:
     sub.from_channel((batch(0, 3, finish="length"),))
     assert await anext(sub) == (batch(0, 3, finish="length"),)
     await asyncio.sleep(0)  # the call's reader takes the marker
-    assert sub.replica == "replica-a" and opened == []
+    assert sub.replica == "replica-a" and hub.opened == []
     sub.from_channel((batch(1, 4, finish="stop"),))
     assert await anext(sub) == (batch(1, 4, finish="stop"),)
     with pytest.raises(StopAsyncIteration):  # without waiting for the call to end
@@ -68,23 +71,18 @@ async def test_a_channeled_request_ends_with_its_choices_last_batches() -> None:
 
 
 async def test_a_reader_that_falls_behind_gets_one_batch_per_choice() -> None:
-    hub = hub_opening([])
-    sub = hub.subscribe("r1", n=1)
-    sub.attach(Call())
+    hub, sub, _ = subscribed(n=1)
     for t in range(5):
         sub.from_channel((batch(0, t),))
     assert await anext(sub) == (TokenBatch(0, (0, 1, 2, 3, 4)),)
 
 
 async def test_a_request_asks_for_the_channel_and_without_it_streams_over_its_call() -> None:
-    hub = hub_opening(opened := [])
-    sub = hub.subscribe("r1", n=1)
-    call = Call()
-    sub.attach(call)
+    hub, sub, call = subscribed(n=1)
     call.queue.put_nowait(NeedChannel("replica-b"))  # the replica has none from this ingress
     call.queue.put_nowait((batch(0, 1, replica="replica-b"),))  # and none came in time
     assert await anext(sub) == (batch(0, 1, replica="replica-b"),)
-    assert opened == ["replica-b"] and sub.replica == "replica-b"
+    assert hub.opened == ["replica-b"] and sub.replica == "replica-b"
     call.queue.put_nowait((batch(0, 2, finish="length"),))
     call.queue.put_nowait(None)
     assert await anext(sub) == (batch(0, 2, finish="length"),)
@@ -94,10 +92,7 @@ async def test_a_request_asks_for_the_channel_and_without_it_streams_over_its_ca
 
 
 async def test_the_calls_failure_comes_after_what_arrived_before_it() -> None:
-    hub = hub_opening([])
-    sub = hub.subscribe("r1", n=1)
-    call = Call()
-    sub.attach(call)
+    hub, sub, call = subscribed(n=1)
     call.queue.put_nowait(Channeled("replica-a"))
     sub.from_channel((batch(0, 1),))
     call.queue.put_nowait(EngineError("the engine failed", status=503))
@@ -110,19 +105,14 @@ async def test_the_calls_failure_comes_after_what_arrived_before_it() -> None:
 
 
 async def test_cancel_aborts_the_call_and_unsubscribes() -> None:
-    hub = hub_opening([])
-    sub = hub.subscribe("r1", n=1)
-    call = Call()
-    sub.attach(call)
+    hub, sub, call = subscribed(n=1)
     sub.cancel()
     assert call.cancelled and hub.subscriptions == {}
     sub.from_channel((batch(0, 1),))  # a late channel message for it is dropped by the hub
 
 
 async def test_after_a_choices_first_batch_a_step_waits_for_the_stream_interval() -> None:
-    hub = hub_opening([])
-    sub = hub.subscribe("r1", n=1, min_tokens=3)
-    sub.attach(Call())
+    _, sub, _ = subscribed(min_tokens=3)
     sub.from_channel((batch(0, 1),))
     assert await anext(sub) == (batch(0, 1),)  # the first batch at once
     sub.from_channel((batch(0, 2),))
@@ -137,11 +127,12 @@ async def test_after_a_choices_first_batch_a_step_waits_for_the_stream_interval(
 
 
 async def test_under_a_message_budget_a_request_waits_its_share_between_messages() -> None:
-    hub = hub_opening([])
+    hub, first, _ = subscribed()
     hub.pace = (8.0, 0.0)  # 8 messages a second for all of the ingress's producing streams
-    subs = [hub.subscribe(f"r{i}", n=1) for i in range(4)]
+    subs = [first, *(hub.subscribe(f"r{i}", n=1) for i in range(1, 4))]
     for i, sub in enumerate(subs):
-        sub.attach(Call())
+        if sub is not first:
+            sub.attach(Call())
         sub.from_channel((batch(0, i),))
         assert await anext(sub) == (batch(0, i),)  # a first batch at once
     assert hub.producing == 4
