@@ -47,25 +47,17 @@ def _unavailable(why: str) -> EngineError:
 
 
 class Streams:
-    """request id -> its Outbox, on the replica's event loop. `producing` counts the open requests
-    that have had output: the streams that share the replica's message budget, known here
-    exactly and at once (the core's heartbeat count is up to HEARTBEAT_S old, and a short burst
-    of requests can start and finish between two beats)."""
+    """request id -> its Outbox, on the replica's event loop."""
 
     def __init__(self) -> None:
         self.outboxes: dict[str, Outbox] = {}
-        self.producing = 0
 
     def open(self, request_id: str) -> Outbox:
         box = self.outboxes[request_id] = Outbox()
         return box
 
     def close(self, request_id: str) -> None:
-        self._drop(self.outboxes.pop(request_id, None))
-
-    def _drop(self, box: Outbox | None) -> None:
-        if box is not None and box.started:
-            self.producing -= 1
+        self.outboxes.pop(request_id, None)
 
     def dispatch(self, outputs: list[tuple[str, TokenBatch]],
                  errors: list[tuple[str, BaseException]]) -> None:
@@ -76,7 +68,6 @@ class Streams:
             box = boxes.get(request_id)
             if box is None:
                 continue
-            self._produced(box)
             if box.channel is None:
                 box.put(batch)
                 continue
@@ -94,7 +85,6 @@ class Streams:
             box = boxes.get(row[0])
             if box is None:
                 continue
-            self._produced(box)
             if box.channel is None:
                 box.put(proto.row_batch(row))
                 continue
@@ -103,21 +93,14 @@ class Streams:
                 box.put(proto.row_batch(row))
         self._fail(errors)
 
-    def _produced(self, box: Outbox) -> None:
-        if not box.started:
-            box.started = True
-            self.producing += 1
-
     def _fail(self, errors: list[tuple[str, BaseException]]) -> None:
         for request_id, exc in errors:
             box = self.outboxes.pop(request_id, None)
             if box is not None:
-                self._drop(box)
                 box.put(exc)
 
     def fail_all(self, exc: EngineError) -> None:
         boxes, self.outboxes = self.outboxes, {}
-        self.producing = 0
         for box in boxes.values():
             box.put(exc)
 

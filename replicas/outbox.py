@@ -19,7 +19,7 @@ from replicas.request import TokenBatch
 
 class Outbox:
     __slots__ = ("_counts", "_items", "_seen", "_urgent", "_waiter", "channel", "hold_until",
-                 "min_tokens", "started")
+                 "min_tokens")
 
     def __init__(self) -> None:
         self.hold_until = 0.0  # time.monotonic() before which non-urgent items wait
@@ -27,7 +27,6 @@ class Outbox:
         # set when the request's batches go over its ingress's channel (replicas/channel.py):
         # then only its choices' last batches and its failure come here, to end `generate`
         self.channel: Channel | None = None
-        self.started = False  # any choice has had a batch: the request is producing output
         self._items: list[TokenBatch | BaseException] = []
         self._counts: dict[int, int] = {}  # choice -> tokens waiting
         self._seen: set[int] = set()  # choices that have had a batch

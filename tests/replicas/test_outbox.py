@@ -79,27 +79,3 @@ async def test_take_returns_at_once_when_already_due(first: bool) -> None:
         await box.take()
     box.put(TokenBatch(0, (1,)))  # hold_until 0: already passed
     assert await asyncio.wait_for(box.take(), 1) == [TokenBatch(0, (1,))]
-
-
-def test_streams_count_the_requests_producing_output() -> None:
-    from replicas.core_client import Streams
-    from replicas.request import EngineError
-
-    streams = Streams()
-    for rid in ("a", "b", "c"):
-        streams.open(rid)
-    assert streams.producing == 0  # admitted, none has output yet
-    streams.dispatch([("a", TokenBatch(0, (1,))), ("b", TokenBatch(0, (1,)))], [])
-    streams.dispatch([("a", TokenBatch(0, (2,)))], [])
-    assert streams.producing == 2
-    streams.close("a")
-    streams.close("a")  # generate's finally after an abort closed it: counted once
-    streams.close("c")  # never produced
-    assert streams.producing == 1
-    streams.dispatch([], [("b", EngineError("boom"))])
-    streams.close("b")
-    assert streams.producing == 0
-    streams.open("d")
-    streams.dispatch([("d", TokenBatch(0, (1,)))], [])
-    streams.fail_all(EngineError("gone", status=503))
-    assert streams.producing == 0 and not streams.outboxes
