@@ -82,9 +82,7 @@ class Subscription:
                 self._put(item)
             if not channeled:
                 self.box.put(_End())
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # noqa: BLE001 (the call's failure is the request's)
+        except Exception as exc:  # noqa: BLE001 (the call's failure is the request's)
             self.box.put(exc)
 
     def __aiter__(self) -> Subscription:
