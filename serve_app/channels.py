@@ -136,6 +136,7 @@ class ChannelHub:
         self.ingress = ingress
         self.subscriptions: dict[str, Subscription] = {}
         self.readers: dict[str, asyncio.Task] = {}
+        self.again: set[str] = set()  # replicas that asked for a channel while one was read
         self.producing = 0  # subscriptions that have had output: they share the budget
         # (messages per second shared by the producing subscriptions, 0: none; the least wait
         # between two of one request's messages), as the model's replicas report it
@@ -147,8 +148,13 @@ class ChannelHub:
         return sub
 
     def open(self, replica: str | None) -> None:
-        """Opens a channel to `replica` unless one is open or opening."""
-        if replica is None or replica in self.readers:
+        """Opens a channel to `replica` (a request there asked for one). If this ingress still
+        reads one, either it is being opened or the replica has just ended it for idleness and
+        its end is on the way here: it is opened again when that reader ends."""
+        if replica is None:
+            return
+        if replica in self.readers:
+            self.again.add(replica)
             return
         task = asyncio.get_running_loop().create_task(self._read(replica))
         self.readers[replica] = task
@@ -172,8 +178,15 @@ class ChannelHub:
             raise
         except Exception as exc:  # noqa: BLE001 (its requests fail through their own calls)
             logger.warning("channel to replica %s ended: %r", replica, exc)
+        else:  # the replica ended it, idle: open it again if a request asked meanwhile
+            if self.readers.get(replica) is asyncio.current_task():
+                del self.readers[replica]
+                if replica in self.again:
+                    self.again.discard(replica)
+                    self.open(replica)
         finally:
             with contextlib.suppress(Exception):
                 call.cancel()
             if self.readers.get(replica) is asyncio.current_task():
                 del self.readers[replica]
+                self.again.discard(replica)

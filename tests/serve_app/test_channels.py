@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from replicas.channel import Channeled, NeedChannel
+from replicas import core_protocol as proto
+from replicas.channel import Channeled, ChannelOpen, NeedChannel
 from replicas.request import EngineError, TokenBatch
 from serve_app.channels import ChannelHub, Subscription
 
@@ -150,3 +151,39 @@ async def test_under_a_message_budget_a_request_waits_its_share_between_messages
     with pytest.raises(StopAsyncIteration):
         await anext(sub)
     assert hub.producing == 3
+
+
+class Handle:
+    """Stands in for the model's handle: each channel call it makes is a `Call`."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[ChannelOpen, Call]] = []
+
+    @property
+    def channel(self) -> Handle:
+        return self
+
+    def remote(self, opening: ChannelOpen) -> Call:
+        self.calls.append((opening, call := Call()))
+        return call
+
+
+async def test_a_channel_asked_for_while_its_end_is_on_the_way_opens_again() -> None:
+    handle = Handle()
+    hub = ChannelHub(handle, ingress="ingress-1")
+    hub.open("replica-a")
+    await asyncio.sleep(0)
+    [(opening, first)] = handle.calls
+    assert opening == ChannelOpen("replica-a", "ingress-1")
+    first.queue.put_nowait(proto.encode([]))  # open
+    await asyncio.sleep(0)
+    hub.open("replica-a")  # a request there asked: the replica has ended it, idle
+    assert len(handle.calls) == 1
+    first.queue.put_nowait(None)  # the end arrives
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert [c[0] for c in handle.calls] == [opening, opening] and "replica-a" in hub.readers
+    handle.calls[1][1].queue.put_nowait(None)  # that one ends too, nobody asked: closed
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert hub.readers == {} and len(handle.calls) == 2
