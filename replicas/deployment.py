@@ -139,13 +139,6 @@ class LLMServer:
             if outbox.channel is not None:
                 self.channeled_requests += 1
                 yield Channeled(self.replica_id)
-                while remaining:  # only each choice's last batch and a failure come here
-                    for item in await outbox.take():
-                        if isinstance(item, BaseException):
-                            remaining = 0  # the core has let the request go
-                            raise item
-                        remaining -= item.finish_reason is not None
-                return
             while remaining:
                 items = await outbox.take()
                 for item in items:
@@ -153,10 +146,12 @@ class LLMServer:
                         remaining = 0  # the core has let the request go
                         raise item
                 batches = coalesce(items)  # type: ignore[arg-type]
+                remaining -= sum(b.finish_reason is not None for b in batches)
+                if outbox.channel is not None:
+                    continue  # only each choice's last batch comes here: the channel sent it
                 if first and batches and self.replica_id is not None:
                     batches = (replace(batches[0], replica=self.replica_id), *batches[1:])
                 first = False
-                remaining -= sum(b.finish_reason is not None for b in batches)
                 self.stream_messages += 1
                 yield batches
         finally:

@@ -112,8 +112,6 @@ def _internal_error(what: str, exc: Exception) -> EngineError:
                        status=500, type_="InternalServerError")
 
 
-
-
 class Engine:
     def __init__(self, config: EngineConfig, executor: Executor, eos_ids: frozenset[int],
                  logits_processors: dict[str, Callable[..., Any]] | None = None,

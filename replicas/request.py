@@ -238,7 +238,8 @@ def coalesce(items: list[TokenBatch]) -> tuple[TokenBatch, ...]:
             b.choice_index, prev.token_ids + b.token_ids, lps, b.finish_reason, b.stop_reason,
             prev.num_prompt_tokens, prev.num_cached_tokens,
             prev.prompt_logprobs if prev.prompt_logprobs is not None else b.prompt_logprobs,
-            prev.replica, accepted_prediction_tokens=(prev.accepted_prediction_tokens
+            prev.replica,
+            accepted_prediction_tokens=(prev.accepted_prediction_tokens
                                         + b.accepted_prediction_tokens),
             rejected_prediction_tokens=(prev.rejected_prediction_tokens
                                         + b.rejected_prediction_tokens))

@@ -22,12 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TypeVar
 
-from ray.serve.request_router import (
-    PendingRequest,
-    ReplicaID,
-    RequestRouter,
-    RunningReplica,
-)
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from replicas.block_hash import BlockKey, media_key_tokens, prefix_keys
 from replicas.channel import ChannelOpen
@@ -36,8 +31,9 @@ from replicas.request import GenerateRequest
 BLOCK = 16
 MAX_BLOCKS = 64  # look at most this far into a prompt
 MAX_ENTRIES = 200_000  # remembered block keys per replica
-T = TypeVar("T")
 MAX_PENDING = 10_000  # requests being routed; a backstop, each also leaves with its request
+
+T = TypeVar("T")
 
 
 def block_keys(request: GenerateRequest) -> list[BlockKey]:

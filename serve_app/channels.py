@@ -105,7 +105,7 @@ class Subscription:
         if not self._producing:
             self._producing = True
             hub.producing += 1
-        budget, floor = hub.pace
+        budget, floor = hub.pace or (0.0, 0.0)
         if budget:
             self.box.hold_until = time.monotonic() + max(hub.producing / budget, floor)
         return coalesce(taken)
@@ -139,8 +139,9 @@ class ChannelHub:
         self.again: set[str] = set()  # replicas that asked for a channel while one was read
         self.producing = 0  # subscriptions that have had output: they share the budget
         # (messages per second shared by the producing subscriptions, 0: none; the least wait
-        # between two of one request's messages), as the model's replicas report it
-        self.pace: tuple[float, float] = (0.0, 0.0)
+        # between two of one request's messages), as the model's replicas report it (None: no
+        # report yet, no budget meanwhile)
+        self.pace: tuple[float, float] | None = None
 
     def subscribe(self, request_id: str, n: int, min_tokens: int = 1) -> Subscription:
         """Before the request's call is made: its batches may come over a channel first."""
@@ -165,6 +166,7 @@ class ChannelHub:
         from ray.serve.context import _set_request_context
         _set_request_context(_internal_request_id=uuid.uuid4().hex)
         call = self.handle.channel.remote(ChannelOpen(replica, self.ingress))
+        ended = False  # by the replica, idle
         try:
             async with asyncio.timeout(OPEN_TIMEOUT_S):
                 await anext(call)
@@ -174,19 +176,15 @@ class ChannelHub:
                     sub = subs.get(request_id)
                     if sub is not None:
                         sub.from_channel(batches)
-        except asyncio.CancelledError:
-            raise
+            ended = True
         except Exception as exc:  # noqa: BLE001 (its requests fail through their own calls)
             logger.warning("channel to replica %s ended: %r", replica, exc)
-        else:  # the replica ended it, idle: open it again if a request asked meanwhile
-            if self.readers.get(replica) is asyncio.current_task():
-                del self.readers[replica]
-                if replica in self.again:
-                    self.again.discard(replica)
-                    self.open(replica)
         finally:
             with contextlib.suppress(Exception):
                 call.cancel()
             if self.readers.get(replica) is asyncio.current_task():
                 del self.readers[replica]
-                self.again.discard(replica)
+                if replica in self.again:  # a request there asked meanwhile
+                    self.again.discard(replica)
+                    if ended:
+                        self.open(replica)

@@ -246,9 +246,8 @@ class Ingress:
                                  models=tuple(self.registry.models))
         with contextlib.suppress(RuntimeError):  # no running loop outside Serve
             self.board.start()
-        self.stream_handles = {name: h.options(stream=True) for name, h in handles.items()}
-        self.channels = {name: ChannelHub(h, _replica_id())
-                         for name, h in self.stream_handles.items()}
+        self.channels = {name: ChannelHub(h.options(stream=True), _replica_id())
+                         for name, h in handles.items()}
 
     # ---- plumbing ------------------------------------------------------------------------------
     async def _parse(self, request: Request, model: type[T]) -> T:
@@ -294,14 +293,15 @@ class Ingress:
         queue-wait deadline (plus a grace for a prefill that started just in time)."""
         wait = max(0.0, (gen.deadline or time.time()) - time.time()) + FIRST_OUTPUT_GRACE_S
         hub = self.channels[served.name]
-        for stats in self.board.fresh(served.name):
-            if "stream_messages_per_s" in stats:
-                hub.pace = (stats["stream_messages_per_s"], stats["stream_floor_s"])
-                break
+        if hub.pace is None:  # the model's config: the same in every report
+            for stats in self.board.fresh(served.name):
+                if "stream_messages_per_s" in stats:
+                    hub.pace = (stats["stream_messages_per_s"], stats["stream_floor_s"])
+                    break
         sub = hub.subscribe(gen.request_id, gen.n, served.config.stream_interval)
         try:
             # Serve's router may refuse at once (BackPressureError: its queue is full)
-            sub.attach(self.stream_handles[served.name].generate.remote(gen, hub.ingress))
+            sub.attach(hub.handle.generate.remote(gen, hub.ingress))
             async with asyncio.timeout(wait):
                 first = await anext(sub)
         except StopAsyncIteration:
