@@ -22,7 +22,7 @@ from tests.conftest import SMALL_MODEL, running_app
 
 pytestmark = pytest.mark.slow
 
-EXAMPLES = 25  # per operation and phase: ~1.5 minutes for the two generation routes on 2 cores
+EXAMPLES = 15  # per operation and phase: ~1 minute for the two generation routes on 2 cores
 
 
 @pytest.fixture(scope="module")
