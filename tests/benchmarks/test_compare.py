@@ -132,13 +132,24 @@ def test_latencies_are_reported_against_the_same_rounds_floors() -> None:
 def test_front_costs_divide_the_load_s_counters() -> None:
     from benchmarks.compare import _front_costs
 
-    before = {"front_cpu_s": 1.0, "core_cpu_s": 10.0, "steps": 100.0, "messages": 50.0,
-              "decode_steps": 90.0, "decode_step_s": 2.7, "prefill_step_s": 1.0,
-              "prompt_tokens": 1000.0}
-    after = {"front_cpu_s": 2.0, "core_cpu_s": 30.0, "steps": 600.0, "messages": 1050.0,
-             "decode_steps": 590.0, "decode_step_s": 17.7, "prefill_step_s": 4.0,
-             "prompt_tokens": 6000.0}
-    costs = _front_costs(before, after)
+    before = {"front_cpu_s": 1.0, "core_cpu_s": 10.0, "ingress_cpu_s": 3.0, "steps": 100.0,
+              "messages": 50.0, "decode_steps": 90.0, "decode_step_s": 2.7,
+              "prefill_step_s": 1.0, "prompt_tokens": 1000.0}
+    after = {"front_cpu_s": 2.0, "core_cpu_s": 30.0, "ingress_cpu_s": 5.0, "steps": 600.0,
+             "messages": 1050.0, "decode_steps": 590.0, "decode_step_s": 17.7,
+             "prefill_step_s": 4.0, "prompt_tokens": 6000.0}
+    costs = _front_costs(before, after, 20000)
     assert costs["front_cpu_ms_per_step"] == 2.0 and costs["front_cpu_ms_per_message"] == 1.0
+    assert costs["ingress_cpu_s"] == 2.0 and costs["ingress_cpu_us_per_token"] == 100.0
     assert abs(costs["decode_only_step_ms"] - 30.0) < 1e-9
     assert abs(costs["prefill_ms_per_prompt_token"] - 0.6) < 1e-9
+
+
+def test_the_client_s_own_cpu_is_reported_per_output_token() -> None:
+    # a client that cannot keep up inflates the server's TTFT and TPOT: its cost is in the report
+    results = {"shardserve": [{"output_throughput": 100.0, "client_processes": 4,
+                               "client_cpu_s": 3.0, "total_output_tokens": 30000},
+                              {"output_throughput": 90.0, "client_processes": 4,
+                               "client_cpu_s": 5.0, "total_output_tokens": 30000}]}
+    assert table(results).splitlines()[-1] == (
+        "shardserve: the client's 4 process(es) 4.0 s of CPU, 133 us per output token")
