@@ -352,6 +352,9 @@ class ProcessCore:
         return None
 
     def _supervise(self) -> None:
+        """Starts the core, restarts it when it goes down, and stops it on close: the core dies
+        with the thread that started it (PR_SET_PDEATHSIG follows the creating thread, not the
+        process), so the graceful stop is this thread's last act."""
         try:
             self._start()
         except BaseException as exc:  # noqa: BLE001  (reported to the constructor)
@@ -361,26 +364,33 @@ class ProcessCore:
         if self._start_error is not None:
             return
         while not self._closing.wait(0.2):
-            why = self._why_down()
-            if why is None:
-                continue
-            logger.error("engine core down: %s; restarting it", why)
-            self.failed = why
-            self._stop_process(kill=True)
-            self._call(self.streams.fail_all, _unavailable(why))
-            self._call(self._fail_stats_waiters)
-            self._restart_times.append(time.monotonic())
-            self.restarts += 1
-            if self._gave_up():
-                logger.error("engine core restarted %d times in %.0f s: giving up (the replica "
-                             "reports unhealthy)", MAX_RESTARTS, RESTART_WINDOW_S)
+            if self._supervise_once():
                 return
-            try:
-                self._start()
-            except Exception as exc:
-                self.failed = f"{why}; then a new core did not start: {exc}"
-                self._restart_times.extend([time.monotonic()] * MAX_RESTARTS)
-                return
+        self._stop_process(kill=False)
+
+    def _supervise_once(self) -> bool:
+        """One look at the core: restarts it if it is down; True when it gave up."""
+        why = self._why_down()
+        if why is None:
+            return False
+        logger.error("engine core down: %s; restarting it", why)
+        self.failed = why
+        self._stop_process(kill=True)
+        self._call(self.streams.fail_all, _unavailable(why))
+        self._call(self._fail_stats_waiters)
+        self._restart_times.append(time.monotonic())
+        self.restarts += 1
+        if self._gave_up():
+            logger.error("engine core restarted %d times in %.0f s: giving up (the replica "
+                         "reports unhealthy)", MAX_RESTARTS, RESTART_WINDOW_S)
+            return True
+        try:
+            self._start()
+        except Exception as exc:
+            self.failed = f"{why}; then a new core did not start: {exc}"
+            self._restart_times.extend([time.monotonic()] * MAX_RESTARTS)
+            return True
+        return False
 
     def _fail_stats_waiters(self) -> None:
         for waiter in self._stats_waiters.values():
@@ -406,8 +416,9 @@ class ProcessCore:
 
     def close(self) -> None:
         self._closing.set()
-        self._monitor.join(timeout=5)
-        self._stop_process(kill=False)
+        # (the monitor stops the core gracefully: up to 10 s for its SHUTDOWN)
+        self._monitor.join(timeout=15)
+        self._stop_process(kill=True)
         self.failed = "stopped"
         for reader in self._readers:
             reader.join(timeout=5)

@@ -8,13 +8,17 @@ shares an interpreter (a GIL) with Ray Serve's per-request and per-message work,
 dies or wedges can be killed and started again without taking the replica down.
 
 `python -m replicas.engine_core --spec FILE` runs one; its command line reads
-`shardserve::EngineCore <model>` in `ps`, as vLLM's `VLLM::EngineCore`."""
+`shardserve::EngineCore <model>` in `ps`, as vLLM's `VLLM::EngineCore`. With
+`SHARDSERVE_CORE_PROFILE=DIR` in its environment (the server's, which Ray's workers inherit) it
+runs under cProfile and writes `DIR/core-<pid>.prof` (pstats) when it stops: where a served
+core's step time goes, on machines without py-spy or ptrace."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import cProfile
 import ctypes
 import json
 import logging
@@ -348,8 +352,33 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s EngineCore %(levelname)s "
                         "%(name)s: %(message)s")
     _set_niceness(spec.config.core_niceness)
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    asyncio.run(_serve(spec, args.input, args.output, args.parent))
+    profile = _profiler(os.environ.get("SHARDSERVE_CORE_PROFILE"))
+
+    def _exit(*_: Any) -> None:
+        profile()
+        os._exit(0)
+    signal.signal(signal.SIGTERM, _exit)
+    try:
+        asyncio.run(_serve(spec, args.input, args.output, args.parent))
+    finally:
+        profile()
+
+
+def _profiler(folder: str | None) -> Any:
+    """Starts cProfile when `folder` is set; returns what writes its stats there (once)."""
+    if not folder:
+        return lambda: None
+    prof = cProfile.Profile()
+    prof.enable()
+    path = Path(folder) / f"core-{os.getpid()}.prof"
+
+    def dump() -> None:
+        if prof is not None and not path.exists():
+            prof.disable()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            prof.dump_stats(path)
+            logger.info("core profile written to %s", path)
+    return dump
 
 
 if __name__ == "__main__":

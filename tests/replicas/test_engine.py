@@ -75,6 +75,24 @@ async def test_the_core_runs_in_a_process_of_its_own(server: LLMServer) -> None:
     assert {os.getpriority(os.PRIO_PROCESS, tid) for tid in threads} == {wanted}
 
 
+async def test_a_core_run_under_shardserve_core_profile_leaves_its_profile(
+        tmp_path, monkeypatch) -> None:
+    import pstats
+
+    monkeypatch.setenv("SHARDSERVE_CORE_PROFILE", str(tmp_path / "prof"))
+    server = LLMServer(ReplicaConfig(model=EMBEDDED_MODEL_ID, max_model_len=128,
+                                     kv_cache_gib=0.01, max_num_seqs=2))
+    try:
+        pid = (await server.fresh_stats())["core_pid"]
+        out = await _collect(server, GenerateRequest("p", (5, 6, 7), SamplingParams(max_tokens=3)))
+        assert len(out[0]) == 3
+    finally:
+        server.close()
+    stats = pstats.Stats(str(tmp_path / "prof" / f"core-{pid}.prof"))
+    # the engine's own steps are in it, not only the process's start
+    assert any(name == "_postprocess" for _, _, name in stats.stats)  # type: ignore[attr-defined]
+
+
 async def _collect(server: LLMServer, req: GenerateRequest) -> dict[int, list]:
     out: dict[int, list] = {}
     async for batches in server.generate(req):
