@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import random
 import statistics
@@ -43,6 +42,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--num-threads", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--core", choices=["in-process", "process"], default="in-process",
+                   help="process: the engine core in a process of its own, as served (no Ray, "
+                        "no HTTP); the floors below are then not measured")
     p.add_argument("--result-json", type=Path)
 
 
@@ -104,6 +106,16 @@ async def _run(server: LLMServer, reqs: list[GenerateRequest]) -> float:
     return time.perf_counter() - start
 
 
+async def _measure(server: LLMServer, warm: list[GenerateRequest], reqs: list[GenerateRequest]
+                   ) -> tuple[dict[str, Any], dict[str, Any], float]:
+    """The engine's counters before and after the load, and its seconds (one event loop: a core
+    process's client belongs to the loop it started on)."""
+    await _run(server, warm)
+    before = await server.fresh_stats()
+    elapsed = await _run(server, reqs)
+    return before, await server.fresh_stats(), elapsed
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -117,39 +129,41 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
              rng.randint(int(args.min_output_len * s), int(args.max_output_len * s)))
             for _ in range(n)]
     max_len = max(i + o for i, o in lens) + 1
+    in_process = args.core == "in-process"
     server = LLMServer(ReplicaConfig(
         model=args.model, max_model_len=max_len, dtype=args.dtype,
         kv_cache_gib=args.kv_cache_gib, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.num_threads),
-        in_process=True)
+        in_process=in_process)
     vocab = min(server.vocab_size, 3900)
     reqs = [GenerateRequest(f"b{k}", tuple(rng.randrange(10, vocab) for _ in range(i)),
                             SamplingParams(max_tokens=o, temperature=0.6, ignore_eos=True))
             for k, (i, o) in enumerate(lens)]
-    asyncio.run(_run(server, [GenerateRequest("warm", (11, 12, 13), SamplingParams(
-        max_tokens=4, ignore_eos=True))]))
-    before = dataclasses.replace(server.core.engine.stats)
-    elapsed = asyncio.run(_run(server, reqs))
-    stats = server.core.engine.stats
+    warm = [GenerateRequest("warm", (11, 12, 13), SamplingParams(max_tokens=4, ignore_eos=True))]
+    before, stats, elapsed = asyncio.run(_measure(server, warm, reqs))
+    d = {k: stats[k] - before[k] for k in ("num_steps", "decode_steps", "decode_step_s",
+                                            "prefill_steps", "prefill_step_s")}
     out_tokens = sum(o for _, o in lens)
     in_tokens = sum(i for i, _ in lens)
+    result = {
+        "model": args.model, "dtype": server.info()["dtype"], "core": args.core, "num_seqs": n,
+        "input_tokens": in_tokens, "output_tokens": out_tokens, "elapsed_s": elapsed,
+        "output_tokens_per_s": out_tokens / elapsed,
+        "total_tokens_per_s": (in_tokens + out_tokens) / elapsed,
+        "steps": d["num_steps"], "step_ms": 1e3 * elapsed / max(1, d["num_steps"]),
+        "decode_only_steps": d["decode_steps"],
+        "decode_only_step_ms": 1e3 * d["decode_step_s"] / max(1, d["decode_steps"]),
+        "prefill_steps": d["prefill_steps"], "prefill_steps_s": d["prefill_step_s"],
+        # the compute thread's share of the load: the rest is the step loop's own work
+        "forward_s": d["decode_step_s"] + d["prefill_step_s"]}
+    if not in_process:  # the floors need the model in this process
+        server.close()
+        return result
     batch = min(n, args.max_num_seqs)
     roof = roofline_step_s(server, batch)
     single = roofline_step_s(server, 1)
     forward = prompt_forward_s(server, round(in_tokens / n))
-    result = {
-        "model": args.model, "dtype": server.info()["dtype"], "num_seqs": n,
-        "input_tokens": in_tokens, "output_tokens": out_tokens, "elapsed_s": elapsed,
-        "output_tokens_per_s": out_tokens / elapsed,
-        "total_tokens_per_s": (in_tokens + out_tokens) / elapsed,
-        "steps": stats.num_steps - before.num_steps,
-        "decode_only_steps": stats.decode_steps - before.decode_steps,
-        "decode_only_step_ms": 1e3 * (stats.decode_step_s - before.decode_step_s)
-        / max(1, stats.decode_steps - before.decode_steps),
-        "prefill_steps": stats.prefill_steps - before.prefill_steps,
-        "prefill_steps_s": stats.prefill_step_s - before.prefill_step_s,
-        "forward_s": (stats.decode_step_s + stats.prefill_step_s
-                      - before.decode_step_s - before.prefill_step_s),
+    result |= {
         "roofline_decode_step_ms_at_batch": roof * 1e3, "roofline_batch": batch,
         "roofline_decode_tokens_per_s": batch / roof,
         "single_stream_pass_ms": single * 1e3,
