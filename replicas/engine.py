@@ -59,6 +59,7 @@ class EngineConfig:
     max_waiting: int = 1024  # queued sequences before new requests get 429
     enable_prefix_caching: bool = True
     priority_scheduling: bool = False
+    max_waiting_steps: int = 0  # scheduler.SchedulerConfig's
     # ids at and above this are padding rows of the embedding (no token): never sampled
     sampleable_vocab: int | None = None
     # a step running longer than this means the engine is wedged (health turns red)
@@ -130,7 +131,7 @@ class Engine:
                                    config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                            config.priority_scheduling), self.blocks)
+                            config.priority_scheduling, config.max_waiting_steps), self.blocks)
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
         self._requests: dict[str, list[Sequence]] = {}

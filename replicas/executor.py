@@ -17,6 +17,8 @@ class Executor(Protocol):
 
     def weight_formats(self) -> dict[str, int]: ...
 
+    def cuda_graphs(self) -> bool: ...  # whether decode-only steps replay CUDA graphs
+
     def check_health(self) -> None: ...
 
     def shutdown(self) -> None: ...
@@ -34,6 +36,9 @@ class InProcessExecutor:
 
     def weight_formats(self) -> dict[str, int]:
         return self.worker.weight_formats()
+
+    def cuda_graphs(self) -> bool:
+        return self.worker.runner.graphs is not None
 
     def check_health(self) -> None:
         return None

@@ -65,6 +65,9 @@ class RayExecutor:
     def weight_formats(self) -> dict[str, int]:
         return ray.get(self.workers[0].weight_formats.remote())
 
+    def cuda_graphs(self) -> bool:
+        return False  # a graph cannot hold the actors' round trips of tp > 1
+
     def check_health(self) -> None:
         ray.get([w.ping.remote() for w in self.workers], timeout=30)
 

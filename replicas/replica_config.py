@@ -38,6 +38,9 @@ class ReplicaConfig:
     stream_messages_per_s: float | None = None
     # vLLM's --enforce-eager: no CUDA graphs for decode steps (they apply on CUDA at tp 1)
     enforce_eager: bool = False
+    # decode-only steps new sequences may sit out so the step stays a CUDA graph
+    # (replicas/scheduler.py); None: 4 where decode steps replay CUDA graphs, else 0
+    max_waiting_steps: int | None = None
     # the front kills and restarts a core whose step has run this long (a hung forward) or that
     # has sent nothing for `core_silence_s` (its process is wedged)
     step_timeout_s: float = 120.0

@@ -4,7 +4,12 @@ Each step catches every running sequence's computed tokens up towards its length
 decoding sequence, a chunk of the prompt for a prefilling one) within `max_num_batched_tokens`, then
 admits waiting sequences while budget, sequence slots and KV blocks last. When blocks run out, the
 running sequence that would be served last is preempted: its blocks are freed and it waits to be
-recomputed (its prefix is usually still cached)."""
+recomputed (its prefix is usually still cached).
+
+With `max_waiting_steps` > 0, sequences that arrive while every running one decodes wait up to
+that many steps and then join together (TGI's `max_waiting_tokens`): a decode-only step replays
+a CUDA graph, and one prompt chunk in it makes the whole step an eager forward several times as
+long, so under a steady stream of arrivals nearly every step was eager."""
 
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     priority_scheduling: bool = False
+    max_waiting_steps: int = 0  # decode-only steps new sequences may sit out (0: none)
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._held = 0  # consecutive steps the waiting sequences sat out
+        self.num_held_steps = 0  # all such steps
 
     def _order(self, seq: Sequence) -> tuple:
         if self.config.priority_scheduling:
@@ -69,6 +77,16 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
+    def _hold(self, scheduled: list[ScheduledSeq]) -> bool:
+        """Whether the waiting sequences sit this step out: only a decode-only step (one that
+        would stay a CUDA graph) is kept so, for at most `max_waiting_steps` steps in a row."""
+        if (self._held >= self.config.max_waiting_steps or not scheduled
+                or any(s.num_new_tokens != 1 for s in scheduled)):
+            return False
+        self._held += 1
+        self.num_held_steps += 1
+        return True
+
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
@@ -88,6 +106,9 @@ class Scheduler:
                 i += 1
                 continue
             break  # seq itself was preempted: nothing later in the order can fit either
+        if self.waiting and self._hold(scheduled):
+            return scheduled
+        self._held = 0
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
             self.blocks.match_prefix(seq)

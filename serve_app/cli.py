@@ -69,6 +69,10 @@ def _serve_parser(sub: Any) -> None:
                         "template or <think> tokens; none: never split it out)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode steps (used on CUDA at tensor-parallel size 1)")
+    p.add_argument("--max-waiting-steps", type=int,
+                   help="decode steps new requests may wait before joining the batch together, "
+                        "so those steps stay CUDA graphs (TGI's --max-waiting-tokens; default 4 "
+                        "where decode steps replay CUDA graphs, else 0)")
     p.add_argument("--step-timeout-s", type=float,
                    help="an engine step running this long is taken as hung: the replica kills "
                         "and restarts its engine core (default 120)")
@@ -131,6 +135,7 @@ def config_from_args(args: argparse.Namespace):
                   "stream_interval": args.stream_interval,
                   "stream_messages_per_s": args.stream_messages_per_s,
                   "enforce_eager": args.enforce_eager or None,
+                  "max_waiting_steps": args.max_waiting_steps,
                   "step_timeout_s": args.step_timeout_s,
                   "tool_call_parser": args.tool_call_parser,
                   "reasoning_parser": args.reasoning_parser}

@@ -71,6 +71,9 @@ class ModelConfig(BaseModel):
     # streaming requests (0: no limit; None: 500 on GPUs, 50 on CPUs)
     stream_messages_per_s: float | None = Field(None, ge=0)
     enforce_eager: bool = False
+    # decode-only steps (CUDA graphs) that new requests may wait for before they join the batch
+    # together (TGI's max_waiting_tokens); None: 4 where the replica replays CUDA graphs, else 0
+    max_waiting_steps: int | None = Field(None, ge=0)
     # the replica kills and restarts its engine core when a step runs this long (a hung
     # forward); raise it for huge prefill chunks on slow CPUs
     step_timeout_s: float = Field(120.0, gt=0)
@@ -110,7 +113,8 @@ class ModelConfig(BaseModel):
             logits_processors=tuple(logits_processors or ()),
             structured_timeout_s=self.structured_timeout_s,
             stream_messages_per_s=self.stream_messages_per_s,
-            enforce_eager=self.enforce_eager, step_timeout_s=self.step_timeout_s,
+            enforce_eager=self.enforce_eager, max_waiting_steps=self.max_waiting_steps,
+            step_timeout_s=self.step_timeout_s,
             model=self.checkpoint, max_model_len=self.max_model_len, dtype=self.dtype,
             quantization=self.quantization,
             tensor_parallel_size=self.tensor_parallel_size, block_size=self.block_size,

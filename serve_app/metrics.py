@@ -35,6 +35,9 @@ class Metrics:
         self.generation_tokens = Gauge("vllm:generation_tokens_total", "Tokens generated", label,
                                        registry=r)
         self.preemptions = Gauge("vllm:num_preemptions_total", "Preemptions", label, registry=r)
+        self.held_steps = Gauge("shardserve:scheduler_held_steps_total",
+                                "Decode steps that new requests sat out (--max-waiting-steps)",
+                                label, registry=r)
         self.forced = Gauge("shardserve:jump_forward_tokens_total",
                             "Constrained tokens appended without a decode step of their own",
                             label, registry=r)
@@ -126,6 +129,7 @@ class Metrics:
         self.prompt_tokens.labels(model).set(total("prompt_tokens"))
         self.generation_tokens.labels(model).set(total("generation_tokens"))
         self.preemptions.labels(model).set(total("preemptions"))
+        self.held_steps.labels(model).set(total("held_steps"))
         self.forced.labels(model).set(total("forced_tokens"))
         self.steps.labels(model).set(total("num_steps"))
         for kind, (steps, seconds) in self.step_kinds.items():

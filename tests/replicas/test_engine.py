@@ -376,6 +376,29 @@ async def test_stop_choice_ends_one_choice_and_takes_its_extra_tokens_off_the_co
     assert stats["generation_tokens"] - before == 10 and stats["num_used_blocks"] == 0
 
 
+async def test_arrivals_held_for_decode_steps_get_exactly_their_tokens() -> None:
+    # max_waiting_steps (on by default only where decode steps are CUDA graphs): requests that
+    # arrive beside decoding ones wait a few steps, then join, with the tokens they get alone
+    held = LLMServer(ReplicaConfig(model=EMBEDDED_MODEL_ID, max_model_len=256,
+                                   kv_cache_gib=0.02, max_num_seqs=16, max_waiting_steps=3))
+    try:
+        assert held.info()["max_waiting_steps"] == 3
+        reqs = [GenerateRequest(f"hold{i}", p, SamplingParams(max_tokens=24, temperature=0.0,
+                                                              ignore_eos=True))
+                for i, p in enumerate(_prompts(8, seed=5))]
+        alone = [_tokens((await _collect(held, r))[0]) for r in reqs]
+
+        async def late(i: int, r: GenerateRequest) -> dict[int, list]:
+            await asyncio.sleep(0.03 * i)  # staggered: most arrive while others decode
+            return await _collect(held, r)
+        together = await asyncio.gather(*(late(i, r) for i, r in enumerate(reqs)))
+        assert [_tokens(t[0]) for t in together] == alone
+        stats = await _settled(held)
+        assert stats["held_steps"] > 0  # arrivals did sit decode steps out
+    finally:
+        held.close()
+
+
 async def test_prompt_logprobs_survive_preemption_and_are_computed_once_for_n() -> None:
     """A KV budget of one full-length sequence and chunked prefill: requests are preempted
     mid-prefill and computed again; each prompt token still gets exactly one entry, equal to

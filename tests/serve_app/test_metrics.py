@@ -13,7 +13,7 @@ def _series(text: str) -> dict[str, float]:
 def test_step_kinds_sum_over_replicas() -> None:
     metrics = Metrics()
     reports = [{"num_steps": 10, "decode_steps": 8, "decode_step_s": 0.4, "prefill_steps": 2,
-                "prefill_step_s": 0.5},
+                "prefill_step_s": 0.5, "held_steps": 3},
                {"num_steps": 5, "decode_steps": 5, "decode_step_s": 0.1},  # no prefill yet
                {}]  # a core that is starting
     metrics.set_engine_stats("m", reports)
@@ -24,3 +24,4 @@ def test_step_kinds_sum_over_replicas() -> None:
     assert abs(got["shardserve:engine_decode_step_seconds_total" + label] - 0.5) < 1e-9
     assert got["shardserve:engine_prefill_steps_total" + label] == 2
     assert got["shardserve:engine_prefill_step_seconds_total" + label] == 0.5
+    assert got["shardserve:scheduler_held_steps_total" + label] == 3
