@@ -71,7 +71,9 @@ class Streams:
             if box.channel is None:
                 box.put(batch)
                 continue
-            box.channel.put_row(proto.batch_row(request_id, batch))
+            box.channel.put_row(proto.batch_row(request_id, batch),
+                                batch.finish_reason is not None
+                                or box.first_batch(batch.choice_index))
             if batch.finish_reason is not None:
                 box.put(batch)
         self._fail(errors)
@@ -88,7 +90,7 @@ class Streams:
             if box.channel is None:
                 box.put(proto.row_batch(row))
                 continue
-            box.channel.put_row(row)
+            box.channel.put_row(row, row[3] is not None or box.first_batch(row[1]))
             if row[3] is not None:  # its finish_reason
                 box.put(proto.row_batch(row))
         self._fail(errors)

@@ -86,13 +86,14 @@ class LLMServer:
     async def channel(self, open_: ChannelOpen) -> AsyncIterator[bytes]:
         """The channel of the ingress `open_.ingress`: an empty message at once (it is open),
         then its channeled requests' rows, one message per wake-up (an engine step's outputs
-        while the ingress keeps up; `replicas.channel.decode` reads them), until it has been
-        idle for IDLE_S. A second open from the same ingress (it lost the first) replaces the
-        first."""
+        while the ingress keeps up, a floor's under a floor; `replicas.channel.decode` reads
+        them), until it has been idle for IDLE_S. A second open from the same ingress (it lost
+        the first) replaces the first."""
         old = self.channels.pop(open_.ingress, None)
         if old is not None:
             self._close_channel(old)
-        channel = self.channels[open_.ingress] = Channel()
+        # the ingress holds each request's tokens for at least the floor: so may the channel
+        channel = self.channels[open_.ingress] = Channel(self.stream_floor_s)
         opened = self._opened.pop(open_.ingress, None)
         if opened is not None:
             opened.set()

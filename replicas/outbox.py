@@ -46,6 +46,13 @@ class Outbox:
         if waiter is not None and not waiter.done() and self._due():
             waiter.set_result(None)
 
+    def first_batch(self, choice: int) -> bool:
+        """Whether `choice` had no batch yet (it has now): a channeled request's rows go to its
+        channel, not through `put`, and the channel sends a choice's first batch at once."""
+        new = choice not in self._seen
+        self._seen.add(choice)
+        return new
+
     def _due(self) -> bool:
         if not self._items:
             return False

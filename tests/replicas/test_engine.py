@@ -267,10 +267,14 @@ async def test_the_replica_reports_the_message_budget_its_ingresses_apply(
     off.close()
 
 
-async def test_a_channel_carries_its_requests_one_message_per_step(server: LLMServer) -> None:
+async def test_a_channel_carries_its_requests_one_message_per_step(
+        server: LLMServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """Requests sent while their ingress's channel is open come over it: `generate` yields one
     `Channeled` and ends with the request, the tokens are exactly those of direct calls, and
-    one message carries every request's step. Closing the channel fails the requests on it."""
+    one message carries every request's step (with no stream floor: under one, a message holds
+    the steps of a floor, tests/replicas/test_channel.py). Closing the channel fails the
+    requests on it."""
+    monkeypatch.setattr(server, "stream_floor_s", 0.0)
     prompts = _prompts(4, seed=13)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     direct = await asyncio.gather(*(_collect(server, GenerateRequest(f"ch-d{i}", p, params))
@@ -302,6 +306,31 @@ async def test_a_channel_carries_its_requests_one_message_per_step(server: LLMSe
     with pytest.raises(EngineError, match="broke"):
         await long
     assert "ch-long" not in server.core.streams.outboxes
+
+
+async def test_under_the_cpu_stream_floor_a_channel_sends_a_message_per_floor(
+        server: LLMServer) -> None:
+    """The CPU default: each request's tokens wait at the ingress for at least the floor, so the
+    channel sends at most one message per floor, a request's first and last batches at once."""
+    assert server.stream_floor_s == 0.04  # (this box computes on its CPU)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    channel = server.channel(ChannelOpen("this-replica", "ingress-2"))
+    assert decode(await anext(channel)) == {}
+    call = asyncio.create_task(_collect_channeled(server, GenerateRequest(
+        "floor", _prompts(1, seed=3)[0], params), "ingress-2"))
+    batches: list = []
+    messages = 0
+    while not batches or batches[-1].finish_reason is None:
+        batches += decode(await anext(channel)).get("floor", [])
+        messages += 1
+    await call
+    await channel.aclose()
+    assert sum(len(b.token_ids) for b in batches) == 40
+    assert messages < len(batches)  # a message held several steps' rows
+
+
+async def _collect_channeled(server: LLMServer, req: GenerateRequest, ingress: str) -> list:
+    return [m async for m in server.generate(req, ingress)]
 
 
 async def test_a_request_waits_for_its_ingress_to_open_the_channel(
