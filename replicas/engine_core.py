@@ -384,7 +384,7 @@ def _profiler(folder: str | None) -> Any:
     path = Path(folder) / f"core-{os.getpid()}.prof"
 
     def dump() -> None:
-        if prof is not None and not path.exists():
+        if not path.exists():
             prof.disable()
             path.parent.mkdir(parents=True, exist_ok=True)
             prof.dump_stats(path)

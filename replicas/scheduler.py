@@ -9,7 +9,7 @@ recomputed (its prefix is usually still cached).
 With `max_waiting_steps` > 0, sequences that arrive while every running one decodes wait up to
 that many steps and then join together (TGI's `max_waiting_tokens`): a decode-only step replays
 a CUDA graph, and one prompt chunk in it makes the whole step an eager forward several times as
-long, so under a steady stream of arrivals nearly every step was eager."""
+long: under a steady stream of arrivals nearly every step would be eager."""
 
 from __future__ import annotations
 
@@ -106,7 +106,8 @@ class Scheduler:
                 i += 1
                 continue
             break  # seq itself was preempted: nothing later in the order can fit either
-        if self.waiting and self._hold(scheduled):
+        if (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+                and self._hold(scheduled)):
             return scheduled
         self._held = 0
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs):

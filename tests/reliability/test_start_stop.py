@@ -1,7 +1,8 @@
 """Stopping `shardserve serve` (the real command) leaves nothing: over repeated start/stop cycles,
 by SIGTERM to the process (what systemd, docker and Kubernetes send), Ctrl-C (SIGINT to the
-process group) and SIGTERM to the whole group, nothing listens on the port afterwards and no process of
-the run is left (no haproxy, Ray or replica process), so the next start on the same port works.
+process group) and SIGTERM to the whole group, nothing listens on the port afterwards and no
+process of the run is left (no haproxy, Ray or replica process), so the next start on the same
+port works.
 And a stop drains: a request in flight finishes, a new one is refused with 503."""
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 
 import httpx
 import psutil
