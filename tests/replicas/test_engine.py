@@ -309,10 +309,10 @@ async def test_a_channel_carries_its_requests_one_message_per_step(
 
 
 async def test_under_the_cpu_stream_floor_a_channel_sends_a_message_per_floor(
-        server: LLMServer) -> None:
+        server: LLMServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """The CPU default: each request's tokens wait at the ingress for at least the floor, so the
     channel sends at most one message per floor, a request's first and last batches at once."""
-    assert server.stream_floor_s == 0.04  # (this box computes on its CPU)
+    monkeypatch.setattr(server, "stream_floor_s", 0.04)  # (a GPU's default is none)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     channel = server.channel(ChannelOpen("this-replica", "ingress-2"))
     assert decode(await anext(channel)) == {}
