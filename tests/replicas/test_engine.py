@@ -84,8 +84,9 @@ async def test_a_core_run_under_shardserve_core_profile_leaves_its_profile(
                                      kv_cache_gib=0.01, max_num_seqs=2))
     try:
         pid = (await server.fresh_stats())["core_pid"]
-        out = await _collect(server, GenerateRequest("p", (5, 6, 7), SamplingParams(max_tokens=3)))
-        assert len(out[0]) == 3
+        out = await _collect(server, GenerateRequest("p", (5, 6, 7), SamplingParams(
+            max_tokens=3, ignore_eos=True)))
+        assert len(_tokens(out[0])) == 3
     finally:
         server.close()
     stats = pstats.Stats(str(tmp_path / "prof" / f"core-{pid}.prof"))
@@ -312,7 +313,8 @@ async def test_under_the_cpu_stream_floor_a_channel_sends_a_message_per_floor(
         server: LLMServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """The CPU default: each request's tokens wait at the ingress for at least the floor, so the
     channel sends at most one message per floor, a request's first and last batches at once."""
-    monkeypatch.setattr(server, "stream_floor_s", 0.04)  # (a GPU's default is none)
+    # the CPU default is 0.04 s; longer here so that a slow machine's steps still share messages
+    monkeypatch.setattr(server, "stream_floor_s", 0.2)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     channel = server.channel(ChannelOpen("this-replica", "ingress-2"))
     assert decode(await anext(channel)) == {}
