@@ -39,16 +39,15 @@ class Outbox:
         if isinstance(item, TokenBatch):
             choice = item.choice_index
             self._counts[choice] = self._counts.get(choice, 0) + len(item.token_ids)
-            urgent = item.finish_reason is not None or choice not in self._seen
-            self._seen.add(choice)
+            urgent = self.first_batch(choice) or item.finish_reason is not None
         self._urgent = self._urgent or urgent
         waiter = self._waiter
         if waiter is not None and not waiter.done() and self._due():
             waiter.set_result(None)
 
     def first_batch(self, choice: int) -> bool:
-        """Whether `choice` had no batch yet (it has now): a channeled request's rows go to its
-        channel, not through `put`, and the channel sends a choice's first batch at once."""
+        """Whether `choice` had no batch yet (it has now): a first batch is urgent, here and on
+        the channel a channeled request's rows go to instead of `put`."""
         new = choice not in self._seen
         self._seen.add(choice)
         return new

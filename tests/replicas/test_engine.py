@@ -102,6 +102,12 @@ async def _collect(server: LLMServer, req: GenerateRequest) -> dict[int, list]:
     return out
 
 
+async def _collect_channeled(server: LLMServer, req: GenerateRequest, ingress: str) -> list:
+    """What `generate` yields for a request of `ingress` (a `Channeled` marker where its channel
+    is open)."""
+    return [m async for m in server.generate(req, ingress)]
+
+
 def _tokens(batches: list) -> list[int]:
     return [t for b in batches for t in b.token_ids]
 
@@ -282,10 +288,8 @@ async def test_a_channel_carries_its_requests_one_message_per_step(
                                     for i, p in enumerate(prompts)))
     channel = server.channel(ChannelOpen("this-replica", "ingress-1"))
     assert decode(await anext(channel)) == {}
-
-    async def call(req: GenerateRequest) -> list:
-        return [m async for m in server.generate(req, "ingress-1")]
-    calls = [asyncio.create_task(call(GenerateRequest(f"ch-c{i}", p, params)))
+    calls = [asyncio.create_task(_collect_channeled(server, GenerateRequest(f"ch-c{i}", p, params),
+                                                    "ingress-1"))
              for i, p in enumerate(prompts)]
     got: dict[str, list] = {f"ch-c{i}": [] for i in range(4)}
     messages = 0
@@ -299,8 +303,8 @@ async def test_a_channel_carries_its_requests_one_message_per_step(
     assert [_tokens(got[f"ch-c{i}"]) for i in range(4)] == [_tokens(d[0]) for d in direct]
     assert messages <= 16 + 2  # the four requests' steps together (prefills may split)
     # a request still on a channel that closes fails (its ingress can no longer get its tokens)
-    long = asyncio.create_task(call(GenerateRequest(
-        "ch-long", prompts[0], dataclasses.replace(params, max_tokens=100))))
+    long = asyncio.create_task(_collect_channeled(server, GenerateRequest(
+        "ch-long", prompts[0], dataclasses.replace(params, max_tokens=100)), "ingress-1"))
     while "ch-long" not in decode(await anext(channel)):
         pass
     await channel.aclose()
@@ -329,10 +333,6 @@ async def test_under_the_cpu_stream_floor_a_channel_sends_a_message_per_floor(
     await channel.aclose()
     assert sum(len(b.token_ids) for b in batches) == 40
     assert messages < len(batches)  # a message held several steps' rows
-
-
-async def _collect_channeled(server: LLMServer, req: GenerateRequest, ingress: str) -> list:
-    return [m async for m in server.generate(req, ingress)]
 
 
 async def test_a_request_waits_for_its_ingress_to_open_the_channel(
