@@ -341,6 +341,7 @@ _METRICS = {"shardserve:engine_steps_total": "steps",
             "shardserve:engine_decode_steps_total": "decode_steps",
             "shardserve:engine_decode_step_seconds_total": "decode_step_s",
             "shardserve:engine_prefill_step_seconds_total": "prefill_step_s",
+            "shardserve:scheduler_held_steps_total": "held_steps",
             "vllm:prompt_tokens_total": "prompt_tokens"}
 
 
@@ -379,6 +380,7 @@ def _front_costs(before: dict[str, float], after: dict[str, float],
             "ingress_cpu_s": d["ingress_cpu_s"],
             "ingress_cpu_us_per_token": 1e6 * d["ingress_cpu_s"] / max(output_tokens, 1),
             "engine_steps": d["steps"], "stream_messages": d["messages"],
+            "held_steps": d["held_steps"],
             "front_cpu_ms_per_step": 1e3 * d["front_cpu_s"] / steps,
             "front_cpu_ms_per_message": 1e3 * d["front_cpu_s"] / messages,
             "decode_only_step_ms": 1e3 * d["decode_step_s"] / max(d["decode_steps"], 1.0),
@@ -425,7 +427,9 @@ def front_lines(results: dict[str, list[dict[str, Any]]]) -> list[str]:
                 f"{_median([r['front_cpu_ms_per_message'] for r in runs]):.2f} ms per "
                 f"streamed message; ingresses {_median([r['ingress_cpu_s'] for r in runs]):.1f} s,"
                 f" {_median([r['ingress_cpu_us_per_token'] for r in runs]):.0f} us per output "
-                "token")
+                f"token; {_median([r['engine_steps'] for r in runs]):.0f} engine steps, "
+                f"{_median([r.get('held_steps', 0.0) for r in runs]):.0f} of them held for "
+                "arrivals (--max-waiting-steps)")
     for name, runs in results.items():
         runs = [r for r in runs if r.get("client_cpu_s") and r.get("total_output_tokens")]
         if runs:
