@@ -40,6 +40,7 @@ from benchmarks.client import ClientConfig
 from benchmarks.client_processes import auto_num_clients
 from benchmarks.datasets import BenchRequest, load_tokenizer, random_requests
 from benchmarks.serve import RunSettings, run_load
+from replicas.kv_budget import CPU_KV_CACHE_GIB
 
 PEERS = ("shardserve", "transformers-serve", "transformers-generate", "vllm", "llama-server",
          "engine")
@@ -69,8 +70,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shardserve-args", default="",
                    help="extra `shardserve serve` flags, e.g. '--stream-interval 4'")
     p.add_argument("--shardserve-variant", action="append", default=[], metavar="NAME=FLAGS",
-                   help="also run shardserve with these extra flags, as peer shardserve[NAME] "
-                        "(repeatable), e.g. si4='--stream-interval 4'")
+                   help="also run shardserve with --shardserve-args and then these flags, as "
+                        "peer shardserve[NAME] (repeatable), e.g. si4='--stream-interval 4'")
     p.add_argument("--rounds", type=int, default=1,
                    help="run every peer this many times; the table reports medians")
     p.add_argument("--startup-timeout", type=float, default=300)
@@ -149,7 +150,9 @@ def _max_model_len(args: argparse.Namespace) -> int:
 
 def _serve_cmd(peer: str, args: argparse.Namespace, path: Path, port: int) -> list[str]:
     if peer == "shardserve" or peer.startswith("shardserve["):
-        extra = args.shardserve_args if peer == "shardserve" else _variants(args)[peer]
+        # a variant is shardserve's flags and then its own (a later flag wins)
+        extra = args.shardserve_args + (
+            "" if peer == "shardserve" else " " + _variants(args)[peer])
         return [sys.executable, "-m", "serve_app.cli", "serve", "--model", str(path),
                 "--port", str(port), "--dtype", args.dtype,
                 "--max-num-seqs", str(max(args.concurrency, 1)),
@@ -243,7 +246,9 @@ def engine_alone(path: Path, requests: list[BenchRequest], tokenizer: Any,
     server = argparse.ArgumentParser(add_help=False)
     server.add_argument("--max-num-batched-tokens",
                         default=defaults["max_num_batched_tokens"].default)
-    server.add_argument("--kv-cache-gib", default=defaults["kv_cache_gib"].default)
+    server.add_argument("--kv-cache-gib", type=float)
+    server.add_argument("--gpu-memory-utilization", type=float,
+                        default=defaults["gpu_memory_utilization"].default)
     flags = server.parse_known_args(shlex.split(args.shardserve_args or ""))[0]
     texts = [tokenizer.apply_chat_template(r.chat_messages(), tokenize=False,
                                            add_generation_prompt=True)
@@ -257,7 +262,12 @@ def engine_alone(path: Path, requests: list[BenchRequest], tokenizer: Any,
            "--max-output-len", str(args.output_len), "--max-num-seqs", str(args.concurrency),
            "--dtype", args.dtype, "--result-json", str(out),
            "--max-num-batched-tokens", str(flags.max_num_batched_tokens),
-           "--kv-cache-gib", str(flags.kv_cache_gib)]
+           "--gpu-memory-utilization", str(flags.gpu_memory_utilization)]
+    # the server's cache: its flag, else its default (sized from GPU memory, or CPU_KV_CACHE_GIB)
+    import torch
+    kv_gib = flags.kv_cache_gib or (None if torch.cuda.is_available() else CPU_KV_CACHE_GIB)
+    if kv_gib is not None:
+        cmd += ["--kv-cache-gib", str(kv_gib)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=3600)
     result = json.loads(out.read_text())
     out.unlink()

@@ -38,7 +38,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="multiply counts and lengths (e.g. 0.125 on a CPU)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    p.add_argument("--kv-cache-gib", type=float, default=4.0)
+    p.add_argument("--kv-cache-gib", type=float,
+                   help="default: on GPUs what --gpu-memory-utilization leaves (as served), on "
+                        "CPUs 4")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--num-threads", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
@@ -132,7 +135,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     in_process = args.core == "in-process"
     server = LLMServer(ReplicaConfig(
         model=args.model, max_model_len=max_len, dtype=args.dtype,
-        kv_cache_gib=args.kv_cache_gib, max_num_seqs=args.max_num_seqs,
+        kv_cache_gib=args.kv_cache_gib or (None if torch.cuda.is_available() else 4.0),
+        gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.num_threads),
         in_process=in_process)
     vocab = min(server.vocab_size, 3900)

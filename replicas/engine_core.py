@@ -36,7 +36,7 @@ from tokenizers import Tokenizer
 from transformers import AutoConfig
 
 from replicas import core_protocol as proto
-from replicas import kernels
+from replicas import kernels, kv_budget
 from replicas.engine import Engine, EngineConfig, compute_thread
 from replicas.executor import InProcessExecutor
 from replicas.gguf_checkpoint import LINK
@@ -127,16 +127,19 @@ class EngineCore:
                     or decoder.hidden_size // decoder.num_attention_heads)
         bytes_per_token = (2 * decoder.num_hidden_layers * decoder.num_key_value_heads
                            * head_dim * torch.finfo(getattr(torch, dtype)).bits // 8)
-        num_blocks = int(config.kv_cache_gib * 2**30 // (bytes_per_token * config.block_size))
-        # never less than one full-length sequence, never more than every slot full-length
-        blocks_per_seq = -(-max_len // config.block_size)
-        num_blocks = max(blocks_per_seq, min(num_blocks, blocks_per_seq * config.max_num_seqs))
+        shape = kv_budget.BlockShape(bytes_per_token * config.block_size,
+                                     -(-max_len // config.block_size), config.max_num_seqs)
+        kv_gib = config.kv_cache_gib or (None if on_gpu else kv_budget.CPU_KV_CACHE_GIB)
+        # 0: each shard sizes its cache from its GPU's memory once its weights are loaded
+        num_blocks = 0 if kv_gib is None else kv_budget.blocks_for_gib(kv_gib, shape)
         num_threads = config.num_threads or os.cpu_count() or 1
         worker_config = WorkerConfig(str(path), dtype, num_blocks, config.block_size,
                                      config.tensor_parallel_size, num_threads,
                                      max_num_seqs=config.max_num_seqs, max_model_len=max_len,
                                      cuda_graphs=not config.enforce_eager,
-                                     quantization=config.quantization)
+                                     quantization=config.quantization,
+                                     gpu_memory_utilization=config.gpu_memory_utilization,
+                                     max_num_batched_tokens=config.max_num_batched_tokens)
         compute = compute_thread()
         if config.tensor_parallel_size == 1:
             # built on the thread that will run it: one OpenMP team for all torch work
@@ -159,7 +162,8 @@ class EngineCore:
                      "isa": None if on_gpu else isa.selected(), "on_gpu": on_gpu,
                      "shard_num_parameters": executor.shard_sizes(),
                      "weights": executor.weight_formats(), "pid": os.getpid(),
-                     "cuda_graphs": executor.cuda_graphs()}
+                     "cuda_graphs": executor.cuda_graphs(),
+                     "kv_cache_tokens": executor.num_blocks() * config.block_size}
         # what the 4-bit linears multiply (kernels.quant_activations), where there are any
         self.info["quant_activations"] = (
             kernels.quant_activations() if any(k.startswith("Q4") and k.endswith(" linear_q")
@@ -172,7 +176,7 @@ class EngineCore:
             waiting_steps = DEFAULT_WAITING_STEPS if self.info["cuda_graphs"] else 0
         self.info["max_waiting_steps"] = waiting_steps
         self.engine = Engine(
-            EngineConfig(max_len, num_blocks, config.block_size, config.max_num_seqs,
+            EngineConfig(max_len, executor.num_blocks(), config.block_size, config.max_num_seqs,
                          config.max_num_batched_tokens, config.max_waiting,
                          config.enable_prefix_caching, config.priority_scheduling,
                          waiting_steps, sampleable_vocab=_tokenizer_size(path),

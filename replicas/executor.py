@@ -19,6 +19,8 @@ class Executor(Protocol):
 
     def cuda_graphs(self) -> bool: ...  # whether decode-only steps replay CUDA graphs
 
+    def num_blocks(self) -> int: ...  # the KV blocks every shard holds
+
     def check_health(self) -> None: ...
 
     def shutdown(self) -> None: ...
@@ -39,6 +41,9 @@ class InProcessExecutor:
 
     def cuda_graphs(self) -> bool:
         return self.worker.runner.graphs is not None
+
+    def num_blocks(self) -> int:
+        return self.worker.num_blocks
 
     def check_health(self) -> None:
         return None

@@ -68,6 +68,11 @@ class RayExecutor:
     def cuda_graphs(self) -> bool:
         return False  # a graph cannot hold the actors' round trips of tp > 1
 
+    def num_blocks(self) -> int:
+        # each rank sized its cache from its own GPU's free memory: the block manager hands
+        # out only the blocks every rank has
+        return min(ray.get([w.kv_blocks.remote() for w in self.workers]))
+
     def check_health(self) -> None:
         ray.get([w.ping.remote() for w in self.workers], timeout=30)
 

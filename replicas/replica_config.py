@@ -14,7 +14,10 @@ class ReplicaConfig:
     dtype: str = "auto"
     tensor_parallel_size: int = 1
     block_size: int = 16
-    kv_cache_gib: float = 0.5
+    # None: on GPUs what gpu_memory_utilization leaves once the weights are loaded, on CPUs
+    # 0.5 GiB (replicas/kv_budget.py)
+    kv_cache_gib: float | None = None
+    gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_waiting: int = 1024

@@ -8,12 +8,13 @@ import os
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
-from replicas import host_memory, kernels
+from replicas import host_memory, kernels, kv_budget
 from replicas.cuda_graphs import DecodeGraphs
 from replicas.loader import load_weights, quantize_int8
 from replicas.model_runner import ModelRunner, StepInput, StepOutput
@@ -27,7 +28,7 @@ logger = logging.getLogger(__name__)
 class WorkerConfig:
     model_path: str
     dtype: str  # "float32" | "bfloat16" | "float16"
-    num_blocks: int
+    num_blocks: int  # 0: on a GPU, what fits in gpu_memory_utilization (replicas/kv_budget.py)
     block_size: int
     tp_size: int = 1
     num_threads: int = 0  # torch intra-op threads; 0 = leave torch's default
@@ -42,6 +43,9 @@ class WorkerConfig:
     # "int8": every linear's float weight quantized to Q8_0 blocks after loading (CPUs, tp 1,
     # float32 compute: where linear_q runs)
     quantization: str | None = None
+    gpu_memory_utilization: float = 0.9
+    # the largest prefill chunk: the activations the GPU's KV budget leaves room for
+    max_num_batched_tokens: int = 2048
 
 
 def weight_formats(model: torch.nn.Module) -> dict[str, int]:
@@ -120,8 +124,10 @@ class ShardWorker:
         graphs = (config.cuda_graphs and self.device.type == "cuda" and config.tp_size == 1
                   and config.max_num_seqs > 0 and config.max_model_len > 0
                   and not getattr(model, "uses_mrope", False))
+        self.num_blocks = config.num_blocks or self._blocks_from_memory(
+            text_config(hf_config), kv_heads, head_dim, dtype)
         # with graphs, one block past the block manager's takes the padding rows' writes
-        blocks = config.num_blocks + (1 if graphs else 0)
+        blocks = self.num_blocks + (1 if graphs else 0)
         shape = (text_config(hf_config).num_hidden_layers, 2, kv_heads,
                  blocks * config.block_size, head_dim)
         if self.device.type == "cpu":
@@ -132,16 +138,46 @@ class ShardWorker:
         if graphs:
             decode_graphs = DecodeGraphs(
                 model, kv_cache, config.block_size, config.max_num_seqs,
-                -(-config.max_model_len // config.block_size), pad_block=config.num_blocks)
+                -(-config.max_model_len // config.block_size), pad_block=self.num_blocks)
             seconds = decode_graphs.capture_all()
             logger.info("captured %d decode CUDA graphs in %.1f s", len(decode_graphs.graphs),
                         seconds)
         self.runner = ModelRunner(model, kv_cache, config.block_size, decode_graphs,
                                   logits_on_device=config.logits_on_device)
 
+    def _blocks_from_memory(self, decoder: Any, kv_heads: int, head_dim: int,
+                            dtype: torch.dtype) -> int:
+        """The KV blocks that fit on this GPU beside the loaded weights (kv_budget)."""
+        config = self.config
+        if self.device.type != "cuda":
+            raise ValueError("a CPU shard's KV cache is sized in GiB (num_blocks > 0)")
+        width = torch.finfo(dtype).bits // 8
+        shape = kv_budget.BlockShape(
+            2 * decoder.num_hidden_layers * kv_heads * head_dim * config.block_size * width,
+            -(-config.max_model_len // config.block_size), config.max_num_seqs)
+        heads = decoder.num_attention_heads // config.tp_size
+        reserve = kv_budget.activation_reserve(
+            config.max_num_batched_tokens, decoder.hidden_size,
+            int(getattr(decoder, "intermediate_size", 4 * decoder.hidden_size)) // config.tp_size,
+            (heads + 2 * kv_heads) * head_dim, config.max_num_seqs, int(decoder.vocab_size),
+            width)
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        blocks = kv_budget.blocks_for_device(total, free, config.gpu_memory_utilization,
+                                             reserve, shape)
+        logger.info("KV cache: %d blocks (%.2f GiB, %d tokens) from %g of the GPU's %.1f GiB, "
+                    "%.2f GiB in use after the weights, %.2f GiB kept for activations", blocks,
+                    blocks * shape.bytes_per_block / 2**30, blocks * config.block_size,
+                    config.gpu_memory_utilization, total / 2**30, (total - free) / 2**30,
+                    reserve / 2**30)
+        return blocks
+
     def execute(self, step: StepInput) -> StepOutput | None:
         out = self.runner.execute(step)
         return out if self.rank == 0 else None
+
+    def kv_blocks(self) -> int:
+        return self.num_blocks
 
     def ping(self) -> int:
         return os.getpid()

@@ -46,7 +46,13 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--max-replicas", type=int, help="turns on autoscaling")
     p.add_argument("--target-ongoing-requests", type=float)
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--kv-cache-gib", type=float)
+    p.add_argument("--kv-cache-gib", type=float,
+                   help="the KV cache's size per replica (default: on GPUs what "
+                        "--gpu-memory-utilization leaves beside the weights, on CPUs 0.5)")
+    p.add_argument("--gpu-memory-utilization", type=float,
+                   help="the share of each GPU's memory the replica may fill, weights, "
+                        "activations and KV cache together (default 0.9; ignored with "
+                        "--kv-cache-gib)")
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--block-size", type=int)
@@ -129,7 +135,9 @@ def config_from_args(args: argparse.Namespace):
                   "max_model_len": args.max_model_len,
                   "tensor_parallel_size": args.tensor_parallel_size,
                   "num_replicas": args.num_replicas, "dtype": args.dtype,
-                  "kv_cache_gib": args.kv_cache_gib, "max_num_seqs": args.max_num_seqs,
+                  "kv_cache_gib": args.kv_cache_gib,
+                  "gpu_memory_utilization": args.gpu_memory_utilization,
+                  "max_num_seqs": args.max_num_seqs,
                   "max_num_batched_tokens": args.max_num_batched_tokens,
                   "block_size": args.block_size, "num_threads": args.num_threads,
                   "stream_interval": args.stream_interval,

@@ -40,7 +40,10 @@ class ModelConfig(BaseModel):
     num_replicas: int = Field(1, ge=1)
     autoscaling_config: AutoscalingConfig | None = None
     block_size: int = Field(16, ge=1)
-    kv_cache_gib: float = Field(0.5, gt=0)
+    # None: on GPUs, what gpu_memory_utilization of each GPU leaves once the weights are loaded
+    # (vLLM's sizing); on CPUs 0.5 GiB. Either way capped at every sequence slot full-length
+    kv_cache_gib: float | None = Field(None, gt=0)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=16)
     # sequences the engine queues before it answers 503: with max_num_seqs running, the bound on
@@ -118,7 +121,8 @@ class ModelConfig(BaseModel):
             model=self.checkpoint, max_model_len=self.max_model_len, dtype=self.dtype,
             quantization=self.quantization,
             tensor_parallel_size=self.tensor_parallel_size, block_size=self.block_size,
-            kv_cache_gib=self.kv_cache_gib, max_num_seqs=self.max_num_seqs,
+            kv_cache_gib=self.kv_cache_gib, gpu_memory_utilization=self.gpu_memory_utilization,
+            max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_waiting=self.max_waiting,
             enable_prefix_caching=self.enable_prefix_caching,
             priority_scheduling=self.priority_scheduling, num_threads=self.num_threads,

@@ -1,0 +1,84 @@
+"""The KV cache's size: --kv-cache-gib, or on GPUs what --gpu-memory-utilization leaves beside
+the weights (vLLM's sizing; the arithmetic here, the device's numbers on a GPU), 0.5 GiB on
+CPUs; always between one full-length sequence and every slot full-length."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from replicas import kv_budget
+from replicas.deployment import LLMServer, ReplicaConfig
+from replicas.embedded import EMBEDDED_MODEL_ID
+
+GIB = 2**30
+SHAPE = kv_budget.BlockShape(bytes_per_block=2**20, blocks_per_seq=8, max_num_seqs=1000)
+
+
+def test_a_size_in_gib_is_clamped_to_one_sequence_and_every_slot() -> None:
+    assert kv_budget.blocks_for_gib(1.0, SHAPE) == 1024
+    assert kv_budget.blocks_for_gib(0.001, SHAPE) == 8  # one full-length sequence at least
+    few_slots = kv_budget.BlockShape(2**20, blocks_per_seq=8, max_num_seqs=4)
+    assert kv_budget.blocks_for_gib(100.0, few_slots) == 32  # more would only cache prefixes
+
+
+def test_a_gpu_s_cache_is_its_utilization_less_what_is_in_use_and_the_activations() -> None:
+    # 80 GiB, 12 in use (context, weights, another process): 0.9 * 80 - 12 - 2 = 58 GiB
+    blocks = kv_budget.blocks_for_device(80 * GIB, 68 * GIB, 0.9, 2 * GIB, SHAPE)
+    assert blocks == 1000 * 8  # capped at every slot full-length: 7.8 GiB of the 58
+    uncapped = kv_budget.BlockShape(2**20, 8, 10**6)
+    assert kv_budget.blocks_for_device(80 * GIB, 68 * GIB, 0.9, 2 * GIB, uncapped) == 58 * 1024
+    assert kv_budget.blocks_for_device(80 * GIB, 68 * GIB, 0.5, 2 * GIB, uncapped) == 26 * 1024
+    # a GPU shared past the utilization: not one sequence fits, and the error says what to change
+    with pytest.raises(ValueError, match="--gpu-memory-utilization") as err:
+        kv_budget.blocks_for_device(80 * GIB, 10 * GIB, 0.9, 2 * GIB, SHAPE)
+    assert "--max-model-len" in str(err.value) and "--kv-cache-gib" in str(err.value)
+
+
+def test_the_activation_reserve_grows_with_the_prefill_chunk_and_the_sampled_rows() -> None:
+    small = kv_budget.activation_reserve(2048, 576, 1536, 960, 64, 49152, 2)
+    assert small > 512 * 2**20  # never less than the fixed slack
+    assert kv_budget.activation_reserve(8192, 576, 1536, 960, 64, 49152, 2) > small
+    assert kv_budget.activation_reserve(2048, 576, 1536, 960, 256, 49152, 2) > small
+
+
+def test_the_engine_sizes_its_cache_by_the_rule_where_it_runs() -> None:
+    """Unset, a CPU replica takes 0.5 GiB (here more than 4 slots of 128 tokens: the cap), a
+    GPU replica what the device's memory leaves; set, the size asked for."""
+    default = LLMServer(ReplicaConfig(model=EMBEDDED_MODEL_ID, max_model_len=128,
+                                      max_num_seqs=4), in_process=True)
+    try:
+        assert default.config.kv_cache_gib is None
+        assert default.info()["kv_cache_tokens"] == 4 * 128
+    finally:
+        default.close()
+    if torch.cuda.is_available():
+        return
+    small = LLMServer(ReplicaConfig(model=EMBEDDED_MODEL_ID, max_model_len=128, max_num_seqs=64,
+                                    kv_cache_gib=0.01), in_process=True)
+    try:
+        info = small.info()
+        # 0.01 GiB of this model's per-token K and V, in whole 16-token blocks
+        assert 128 < info["kv_cache_tokens"] < 64 * 128 and info["kv_cache_tokens"] % 16 == 0
+    finally:
+        small.close()
+
+
+def test_the_flags_reach_the_replica_and_a_utilization_past_one_is_refused() -> None:
+    import argparse
+
+    from pydantic import ValidationError
+
+    from serve_app import cli
+    from serve_app.config import ModelConfig
+
+    parser = argparse.ArgumentParser()
+    cli._serve_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve", "--gpu-memory-utilization", "0.6"])
+    replica = cli.config_from_args(args).models[0].replica_config()
+    assert (replica.gpu_memory_utilization, replica.kv_cache_gib) == (0.6, None)
+    args = parser.parse_args(["serve", "--kv-cache-gib", "2"])
+    assert cli.config_from_args(args).models[0].replica_config().kv_cache_gib == 2.0
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValidationError, match="gpu_memory_utilization"):
+            ModelConfig(gpu_memory_utilization=bad)
