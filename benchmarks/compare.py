@@ -36,10 +36,10 @@ from typing import Any
 
 import httpx
 
-from benchmarks.client import ClientConfig
+from benchmarks.client import ClientConfig, StreamingClient
 from benchmarks.client_processes import auto_num_clients
 from benchmarks.datasets import BenchRequest, load_tokenizer, random_requests
-from benchmarks.serve import RunSettings, run_load
+from benchmarks.serve import RunSettings, run_load, warm_up
 from replicas.kv_budget import CPU_KV_CACHE_GIB
 
 PEERS = ("shardserve", "transformers-serve", "transformers-generate", "vllm", "llama-server",
@@ -185,17 +185,29 @@ def split_warmups(requests: list[BenchRequest], num_warmups: int
 
 
 async def _load(base: str, model: str, requests: list[BenchRequest],
-                args: argparse.Namespace, ignore_eos: bool) -> dict[str, Any]:
+                args: argparse.Namespace, ignore_eos: bool, ours: bool) -> dict[str, Any]:
     config = ClientConfig(base_url=base, model=model, ignore_eos=ignore_eos)
     warmups, measured = split_warmups(requests, args.num_warmups)
     clients = args.num_clients or auto_num_clients(args.concurrency, len(measured))
+    async with StreamingClient(config) as client:
+        await warm_up(client.send, warmups, len(warmups), args.concurrency)
+    # the server's counters from here: the warm-ups' few-row steps once halved the served
+    # decode step's mean and hid a 1.34x slowdown of the load's own steps. /metrics lags the
+    # replicas by up to two of the status board's 0.5 s report periods
+    counters = None
+    if ours:
+        await asyncio.sleep(1.0)
+        counters = _front_counters(base)
     before = _client_cpu_s()
     run = await run_load(config, measured, RunSettings(
-        max_concurrency=args.concurrency, num_warmups=len(warmups), seed=args.seed,
-        show_progress=False), warmups, clients)
+        max_concurrency=args.concurrency, num_warmups=0, seed=args.seed,
+        show_progress=False), (), clients)
     summary = run.metrics.to_summary()
     # a client that cannot keep up with its streams shows up as the server's TTFT and TPOT
     summary.update(client_processes=clients, client_cpu_s=_client_cpu_s() - before)
+    if counters is not None:
+        summary.update(_front_costs(counters, _front_counters(base),
+                                    summary.get("total_output_tokens") or 0))
     return summary
 
 
@@ -313,15 +325,11 @@ def _one(peer: str, path: Path, requests: list[BenchRequest], tokenizer: Any,
     with _server(_serve_cmd(peer, args, path, port), port, args.startup_timeout, log,
                  env) as base:
         model = _served_model(base, str(path))
-        ours = peer.startswith("shardserve")
-        before = _front_counters(base) if ours else None
         # transformers serve rejects vLLM's ignore_eos; its lengths rest on max_tokens
         # (the random-weight models here almost never sample EOS)
         result = asyncio.run(_load(base, model, requests, args,
-                                   ignore_eos=peer != "transformers-serve"))
-        if before is not None:
-            result.update(_front_costs(before, _front_counters(base),
-                                       result.get("total_output_tokens") or 0))
+                                   ignore_eos=peer != "transformers-serve",
+                                   ours=peer.startswith("shardserve")))
         result["model_rss_mb"] = _model_rss_mb(peer)
         return result
 

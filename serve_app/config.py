@@ -80,6 +80,8 @@ class ModelConfig(BaseModel):
     # the replica kills and restarts its engine core when a step runs this long (a hung
     # forward); raise it for huge prefill chunks on slow CPUs
     step_timeout_s: float = Field(120.0, gt=0)
+    # the engine core process's niceness (replicas/replica_config.py says why 5; None: Ray's)
+    core_niceness: int | None = Field(5, ge=-20, le=19)
     # the model family's tool-call and reasoning syntax (vLLM's --tool-call-parser and
     # --reasoning-parser names); None: detected from the chat template (serve_app/tool_formats.py,
     # serve_app/reasoning_formats.py); reasoning "none": the output is never split
@@ -117,7 +119,7 @@ class ModelConfig(BaseModel):
             structured_timeout_s=self.structured_timeout_s,
             stream_messages_per_s=self.stream_messages_per_s,
             enforce_eager=self.enforce_eager, max_waiting_steps=self.max_waiting_steps,
-            step_timeout_s=self.step_timeout_s,
+            step_timeout_s=self.step_timeout_s, core_niceness=self.core_niceness,
             model=self.checkpoint, max_model_len=self.max_model_len, dtype=self.dtype,
             quantization=self.quantization,
             tensor_parallel_size=self.tensor_parallel_size, block_size=self.block_size,

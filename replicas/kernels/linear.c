@@ -100,7 +100,8 @@ int linear_bf16(const void *x, const void *w, const void *bias, void *y, int64_t
     uint16_t *ys = y;
     const int64_t panels = (N + PANEL - 1) / PANEL, panel_size = (K + 1) / 2 * 2 * PANEL;
 #pragma omp parallel num_threads(num_threads)
-    FOR_PANELS(t, panels, M, panel_rows(xs, ws + t * panel_size, bs, ys, M, N, K, t * PANEL))
+    FOR_WHOLE_PANELS(t, panels, M,
+                     panel_rows(xs, ws + t * panel_size, bs, ys, M, N, K, t * PANEL))
     return 0;
 #else
     (void)x, (void)w, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)num_threads;

@@ -63,22 +63,3 @@ def test_the_engine_sizes_its_cache_by_the_rule_where_it_runs() -> None:
     finally:
         small.close()
 
-
-def test_the_flags_reach_the_replica_and_a_utilization_past_one_is_refused() -> None:
-    import argparse
-
-    from pydantic import ValidationError
-
-    from serve_app import cli
-    from serve_app.config import ModelConfig
-
-    parser = argparse.ArgumentParser()
-    cli._serve_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["serve", "--gpu-memory-utilization", "0.6"])
-    replica = cli.config_from_args(args).models[0].replica_config()
-    assert (replica.gpu_memory_utilization, replica.kv_cache_gib) == (0.6, None)
-    args = parser.parse_args(["serve", "--kv-cache-gib", "2"])
-    assert cli.config_from_args(args).models[0].replica_config().kv_cache_gib == 2.0
-    for bad in (0.0, 1.5):
-        with pytest.raises(ValidationError, match="gpu_memory_utilization"):
-            ModelConfig(gpu_memory_utilization=bad)
