@@ -44,7 +44,7 @@ from replicas.kernels import isa
 from replicas.logits_processors import load_factory
 from replicas.model_files import resolve_model_path
 from replicas.models import text_config
-from replicas.replica_config import CoreSpec, ReplicaConfig
+from replicas.replica_config import CoreSpec
 from replicas.request import EngineError, GenerateRequest
 from replicas.worker import WorkerConfig
 from structured.compiler import Compiler
