@@ -277,7 +277,9 @@ def engine_alone(path: Path, requests: list[BenchRequest], tokenizer: Any,
            "--gpu-memory-utilization", str(flags.gpu_memory_utilization)]
     # the server's cache: its flag, else its default (sized from GPU memory, or CPU_KV_CACHE_GIB)
     import torch
-    kv_gib = flags.kv_cache_gib or (None if torch.cuda.is_available() else CPU_KV_CACHE_GIB)
+    kv_gib = flags.kv_cache_gib
+    if kv_gib is None and not torch.cuda.is_available():
+        kv_gib = CPU_KV_CACHE_GIB
     if kv_gib is not None:
         cmd += ["--kv-cache-gib", str(kv_gib)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=3600)

@@ -135,7 +135,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     in_process = args.core == "in-process"
     server = LLMServer(ReplicaConfig(
         model=args.model, max_model_len=max_len, dtype=args.dtype,
-        kv_cache_gib=args.kv_cache_gib or (None if torch.cuda.is_available() else 4.0),
+        kv_cache_gib=(args.kv_cache_gib if args.kv_cache_gib is not None
+                      else None if torch.cuda.is_available() else 4.0),
         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.num_threads),
         in_process=in_process)

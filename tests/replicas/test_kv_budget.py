@@ -54,6 +54,13 @@ def test_the_engine_sizes_its_cache_by_the_rule_where_it_runs() -> None:
         default.close()
     if torch.cuda.is_available():
         return
+    # 0: the least there is, one full-length sequence (the preemption tests' budget)
+    least = LLMServer(ReplicaConfig(model=EMBEDDED_MODEL_ID, max_model_len=128, max_num_seqs=4,
+                                    kv_cache_gib=0.0), in_process=True)
+    try:
+        assert least.info()["kv_cache_tokens"] == 128
+    finally:
+        least.close()
     small = LLMServer(ReplicaConfig(model=EMBEDDED_MODEL_ID, max_model_len=128, max_num_seqs=64,
                                     kv_cache_gib=0.01), in_process=True)
     try:
