@@ -20,7 +20,7 @@ def _args(*argv: str) -> argparse.Namespace:
 
 def test_variants_run_shardserve_with_its_flags_then_theirs() -> None:
     # a variant that dropped the common flags once measured a 0.5 GiB cache against an engine
-    # peer with 8 GiB (half the streams preempted) and passed for the variant's own cost
+    # peer with 8 GiB (two thirds of its streams queued) and passed for the variant's own cost
     args = _args("--shardserve-args", "--num-threads 2",
                  "--shardserve-variant", "si4=--stream-interval 4 --num-threads 1")
     assert _variants(args) == {"shardserve[si4]": "--stream-interval 4 --num-threads 1"}
