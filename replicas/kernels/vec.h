@@ -37,27 +37,22 @@
    at the region's end. With several row blocks (prefill) each thread keeps the same panels from
    block to block, in its own L2. */
 #define STREAM_ROWS 8
+#define DEAL_PANELS(t, PANELS, ONE_AT_A_TIME, BODY)                    \
+    if (ONE_AT_A_TIME) {                                               \
+        _Pragma("omp for schedule(dynamic, 1) nowait")                 \
+        for (int64_t t = 0; t < (PANELS); t++) BODY;                   \
+    } else {                                                           \
+        _Pragma("omp for schedule(static) nowait")                     \
+        for (int64_t t = 0; t < (PANELS); t++) BODY;                   \
+    }
+#define FOR_PANELS(t, PANELS, M, BODY) \
+    DEAL_PANELS(t, PANELS, (M) > STREAM_ROWS && (M) <= ROW_BLOCK, BODY)
 /* The same for calls that take all of a panel's rows at once (no row blocks: nothing to keep in
    L2 from one block to the next): above STREAM_ROWS panels always go one at a time, prefill
    included, so a thread preempted by the serving processes holds up one panel rather than half
    the matrix (served prefill steps ran 1.2-1.3x the engine alone's per prompt token on 2
    cores, 1.16x after; alone it costs nothing: 971 GFLOP/s, 99% of vdpbf16ps, at 2048 rows). */
-#define FOR_WHOLE_PANELS(t, PANELS, M, BODY)                           \
-    if ((M) > STREAM_ROWS) {                                           \
-        _Pragma("omp for schedule(dynamic, 1) nowait")                 \
-        for (int64_t t = 0; t < (PANELS); t++) BODY;                   \
-    } else {                                                           \
-        _Pragma("omp for schedule(static) nowait")                     \
-        for (int64_t t = 0; t < (PANELS); t++) BODY;                   \
-    }
-#define FOR_PANELS(t, PANELS, M, BODY)                                 \
-    if ((M) > STREAM_ROWS && (M) <= ROW_BLOCK) {                       \
-        _Pragma("omp for schedule(dynamic, 1) nowait")                 \
-        for (int64_t t = 0; t < (PANELS); t++) BODY;                   \
-    } else {                                                           \
-        _Pragma("omp for schedule(static) nowait")                     \
-        for (int64_t t = 0; t < (PANELS); t++) BODY;                   \
-    }
+#define FOR_WHOLE_PANELS(t, PANELS, M, BODY) DEAL_PANELS(t, PANELS, (M) > STREAM_ROWS, BODY)
 
 typedef float vf __attribute__((vector_size(VBYTES)));
 typedef uint32_t vu __attribute__((vector_size(VBYTES)));
