@@ -40,7 +40,7 @@ from benchmarks.client import ClientConfig, StreamingClient
 from benchmarks.client_processes import auto_num_clients
 from benchmarks.datasets import BenchRequest, load_tokenizer, random_requests
 from benchmarks.serve import RunSettings, run_load, warm_up
-from replicas.kv_budget import CPU_KV_CACHE_GIB
+from replicas.kv_budget import cache_gib
 
 PEERS = ("shardserve", "transformers-serve", "transformers-generate", "vllm", "llama-server",
          "engine")
@@ -275,11 +275,9 @@ def engine_alone(path: Path, requests: list[BenchRequest], tokenizer: Any,
            "--dtype", args.dtype, "--result-json", str(out),
            "--max-num-batched-tokens", str(flags.max_num_batched_tokens),
            "--gpu-memory-utilization", str(flags.gpu_memory_utilization)]
-    # the server's cache: its flag, else its default (sized from GPU memory, or CPU_KV_CACHE_GIB)
+    # the server's cache, by the server's rule
     import torch
-    kv_gib = flags.kv_cache_gib
-    if kv_gib is None and not torch.cuda.is_available():
-        kv_gib = CPU_KV_CACHE_GIB
+    kv_gib = cache_gib(flags.kv_cache_gib, torch.cuda.is_available())
     if kv_gib is not None:
         cmd += ["--kv-cache-gib", str(kv_gib)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=3600)
@@ -448,7 +446,7 @@ def front_lines(results: dict[str, list[dict[str, Any]]]) -> list[str]:
                 f"streamed message; ingresses {_median([r['ingress_cpu_s'] for r in runs]):.1f} s,"
                 f" {_median([r['ingress_cpu_us_per_token'] for r in runs]):.0f} us per output "
                 f"token; {_median([r['engine_steps'] for r in runs]):.0f} engine steps, "
-                f"{_median([r.get('held_steps', 0.0) for r in runs]):.0f} of them held for "
+                f"{_median([r['held_steps'] for r in runs]):.0f} of them held for "
                 "arrivals (--max-waiting-steps)")
     for name, runs in results.items():
         runs = [r for r in runs if r.get("client_cpu_s") and r.get("total_output_tokens")]

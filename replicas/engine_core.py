@@ -129,9 +129,7 @@ class EngineCore:
                            * head_dim * torch.finfo(getattr(torch, dtype)).bits // 8)
         shape = kv_budget.BlockShape(bytes_per_token * config.block_size,
                                      -(-max_len // config.block_size), config.max_num_seqs)
-        kv_gib = config.kv_cache_gib
-        if kv_gib is None and not on_gpu:
-            kv_gib = kv_budget.CPU_KV_CACHE_GIB
+        kv_gib = kv_budget.cache_gib(config.kv_cache_gib, on_gpu)
         # 0: each shard sizes its cache from its GPU's memory once its weights are loaded
         num_blocks = 0 if kv_gib is None else kv_budget.blocks_for_gib(kv_gib, shape)
         num_threads = config.num_threads or os.cpu_count() or 1

@@ -24,6 +24,12 @@ class BlockShape:
         return max(self.blocks_per_seq, min(blocks, self.blocks_per_seq * self.max_num_seqs))
 
 
+def cache_gib(asked: float | None, on_gpu: bool) -> float | None:
+    """The size in GiB a replica's cache takes: `--kv-cache-gib` where given (0: the least, one
+    full-length sequence), else CPU_KV_CACHE_GIB on CPUs; None: from the GPU's memory."""
+    return asked if asked is not None or on_gpu else CPU_KV_CACHE_GIB
+
+
 def blocks_for_gib(gib: float, shape: BlockShape) -> int:
     return shape.clamp(int(gib * 2**30 // shape.bytes_per_block))
 

@@ -42,31 +42,32 @@ def test_the_activation_reserve_grows_with_the_prefill_chunk_and_the_sampled_row
     assert kv_budget.activation_reserve(2048, 576, 1536, 960, 256, 49152, 2) > small
 
 
+def test_the_size_in_gib_is_the_flag_else_the_cpu_default_else_the_gpu_s_memory() -> None:
+    assert kv_budget.cache_gib(2.0, on_gpu=True) == kv_budget.cache_gib(2.0, on_gpu=False) == 2.0
+    assert kv_budget.cache_gib(0.0, on_gpu=False) == 0.0  # the least: one full-length sequence
+    assert kv_budget.cache_gib(None, on_gpu=False) == kv_budget.CPU_KV_CACHE_GIB
+    assert kv_budget.cache_gib(None, on_gpu=True) is None
+
+
+def _cache_tokens(**config: object) -> int:
+    """The KV cache's tokens of an in-process engine over the embedded model (max_model_len 128)."""
+    server = LLMServer(ReplicaConfig(model=EMBEDDED_MODEL_ID, max_model_len=128, **config),
+                       in_process=True)
+    try:
+        return server.info()["kv_cache_tokens"]
+    finally:
+        server.close()
+
+
 def test_the_engine_sizes_its_cache_by_the_rule_where_it_runs() -> None:
     """Unset, a CPU replica takes 0.5 GiB (here more than 4 slots of 128 tokens: the cap), a
     GPU replica what the device's memory leaves; set, the size asked for."""
-    default = LLMServer(ReplicaConfig(model=EMBEDDED_MODEL_ID, max_model_len=128,
-                                      max_num_seqs=4), in_process=True)
-    try:
-        assert default.config.kv_cache_gib is None
-        assert default.info()["kv_cache_tokens"] == 4 * 128
-    finally:
-        default.close()
+    assert ReplicaConfig(model=EMBEDDED_MODEL_ID).kv_cache_gib is None
+    assert _cache_tokens(max_num_seqs=4) == 4 * 128
     if torch.cuda.is_available():
         return
     # 0: the least there is, one full-length sequence (the preemption tests' budget)
-    least = LLMServer(ReplicaConfig(model=EMBEDDED_MODEL_ID, max_model_len=128, max_num_seqs=4,
-                                    kv_cache_gib=0.0), in_process=True)
-    try:
-        assert least.info()["kv_cache_tokens"] == 128
-    finally:
-        least.close()
-    small = LLMServer(ReplicaConfig(model=EMBEDDED_MODEL_ID, max_model_len=128, max_num_seqs=64,
-                                    kv_cache_gib=0.01), in_process=True)
-    try:
-        info = small.info()
-        # 0.01 GiB of this model's per-token K and V, in whole 16-token blocks
-        assert 128 < info["kv_cache_tokens"] < 64 * 128 and info["kv_cache_tokens"] % 16 == 0
-    finally:
-        small.close()
-
+    assert _cache_tokens(max_num_seqs=4, kv_cache_gib=0.0) == 128
+    # 0.01 GiB of this model's per-token K and V, in whole 16-token blocks
+    tokens = _cache_tokens(max_num_seqs=64, kv_cache_gib=0.01)
+    assert 128 < tokens < 64 * 128 and tokens % 16 == 0
