@@ -172,7 +172,7 @@ needs_fast_linear = pytest.mark.skipif(not _fast_linear(), reason="the CPU lacks
 # rows: one decode row, an 8-row tile plus remainders, more rows than tiles; n: whole 32-column
 # panels, a half panel and ragged ones; k: even, odd (a zero-padded last pair)
 @needs_fast_linear
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 33])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 33, 64])
 @pytest.mark.parametrize("n,k", [(8, 64), (13, 70), (37, 19), (96, 576)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_matches_torch(rows: int, n: int, k: int, bias: bool) -> None:
@@ -190,6 +190,23 @@ def test_linear_matches_torch(rows: int, n: int, k: int, bias: bool) -> None:
     assert ((out.double() - exact).abs() <= ulp + 1e-4).all()
     torch_out = torch.nn.functional.linear(x, w, b).double()
     assert ((out.double() - torch_out).abs() <= 2 * ulp + 1e-4).all()
+
+
+@needs_fast_linear
+@pytest.mark.parametrize("rows", [9, 33, 64])
+@pytest.mark.parametrize("k", [70, 19, 576])
+def test_decode_batches_sum_as_single_tiles_do(rows: int, k: int) -> None:
+    """Between one tile and 64 rows the tiles take turns over each panel chunk by chunk
+    (linear.c's panel_rows); every output still sums its products in the same order as a call
+    of a tile's rows, bit for bit."""
+    g = torch.Generator().manual_seed(rows + k)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    w = torch.randn(70, k, generator=g).bfloat16()
+    b = torch.randn(70, generator=g).bfloat16()
+    packed = kernels.pack_linear(w)
+    whole = kernels.linear(x, packed, 70, b)
+    tiles = torch.cat([kernels.linear(x[m:m + 8], packed, 70, b) for m in range(0, rows, 8)])
+    assert torch.equal(whole, tiles)
 
 
 @needs_fast_linear
