@@ -1,16 +1,13 @@
 """Channels: one stream per (ingress replica, model replica) that carries all of that ingress's
-requests' tokens, at most one message per engine step.
+requests' tokens: one message per message of the engine core (a step's outputs, or a floor's).
 
 Streaming every request's tokens through its own Ray Serve call costs a Ray message per request
 per step (~0.4 ms of the replica's CPU and more in the ingress, each): at 256 streams that is most
 of a core, which is why a message budget used to group tokens into bursts. Over a channel the
 replica sends one message per step to each ingress, holding every one of its requests' new
-batches, and the ingress fans them out locally. Under a message budget with a floor (CPUs by
-default: each request waits at least 40 ms between SSE events, serve_app/channels.py) the
-replica too sends at most one message per floor, except that a request's first and last batches
-go at once: the ingress would hold the tokens that long anyway, and on 2 cores a Ray message
-each ~9 ms step (1.7 ms of the front's CPU and as much of the ingress's, at one stream) took the
-cores from the engine's threads.
+batches, and the ingress fans them out locally. Under a stream floor the core itself gathers the
+steps of a floor into one message (replicas/output_pacer.py), and the channel forwards what each
+of those brings.
 
 A request's own `generate` call stays open for its lifetime: it is what Serve routes, counts
 against `max_ongoing_requests` and cancels when the client leaves (which aborts the request), and
@@ -58,17 +55,13 @@ class Channeled:
 
 
 class Channel:
-    """The replica's side: the rows (`core_protocol.batch_row`) of the ingress's requests
-    gathered between two sends, sent as one msgpack message, at most one per `floor_s` unless a
-    row is urgent (a choice's first or last batch)."""
+    """The replica's side: the rows (`core_protocol.batch_row`) of the ingress's requests that
+    came since the last send, sent as one msgpack message."""
 
-    __slots__ = ("_rows", "_sent", "_urgent", "_wake", "closed", "floor_s")
+    __slots__ = ("_rows", "_wake", "closed")
 
-    def __init__(self, floor_s: float = 0.0) -> None:
-        self.floor_s = floor_s
+    def __init__(self) -> None:
         self._rows: list[list] = []
-        self._urgent = False
-        self._sent = float("-inf")  # loop time of the last message
         self._wake = asyncio.Event()
         self.closed = False
 
@@ -76,35 +69,22 @@ class Channel:
         self.closed = True
         self._wake.set()
 
-    def put_row(self, row: list, urgent: bool = True) -> None:
-        # (a sender waiting with no rows must learn when the first one is due)
-        if urgent or not self._rows:
-            self._wake.set()
-        self._urgent = self._urgent or urgent
+    def put_row(self, row: list) -> None:
         self._rows.append(row)
+        self._wake.set()
 
     async def take(self, idle_s: float | None = None) -> bytes | None:
-        """Waits for rows and for them to be due, then returns all of them as one message (one
-        engine step's when the reader keeps up and there is no floor); None after `idle_s`
-        without any."""
-        loop = asyncio.get_running_loop()
-        while not self.closed:
-            if self._rows:
-                wait: float | None = (0.0 if self._urgent
-                                      else self._sent + self.floor_s - loop.time())
-                if wait <= 0:
-                    break
-            else:
-                wait = idle_s
+        """Waits for rows, then returns all of them as one message (one core message's when the
+        reader keeps up); None after `idle_s` without any."""
+        while not self._rows and not self.closed:
             self._wake.clear()
             try:
-                async with asyncio.timeout(wait):
+                async with asyncio.timeout(idle_s):
                     await self._wake.wait()
             except TimeoutError:
                 if not self._rows:
                     return None
-        rows, self._rows, self._urgent = self._rows, [], False
-        self._sent = loop.time()
+        rows, self._rows = self._rows, []
         return proto.encode(rows)
 
 

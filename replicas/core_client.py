@@ -71,9 +71,7 @@ class Streams:
             if box.channel is None:
                 box.put(batch)
                 continue
-            box.channel.put_row(proto.batch_row(request_id, batch),
-                                batch.finish_reason is not None
-                                or box.first_batch(batch.choice_index))
+            box.channel.put_row(proto.batch_row(request_id, batch))
             if batch.finish_reason is not None:
                 box.put(batch)
         self._fail(errors)
@@ -90,7 +88,7 @@ class Streams:
             if box.channel is None:
                 box.put(proto.row_batch(row))
                 continue
-            box.channel.put_row(row, row[3] is not None or box.first_batch(row[1]))
+            box.channel.put_row(row)
             if row[3] is not None:  # its finish_reason
                 box.put(proto.row_batch(row))
         self._fail(errors)
@@ -116,7 +114,7 @@ class InProcessCore:
         self.engine = self.core.engine
         self.info = self.core.info
         self.streams = Streams()
-        self.engine.on_outputs = self.streams.dispatch
+        self.core.connect(self.streams.dispatch)
 
     def add(self, request: GenerateRequest) -> Outbox:
         box = self.streams.open(request.request_id)

@@ -67,14 +67,7 @@ class LLMServer:
         info = self.core.info
         # the message budget the ingresses apply to their streams of this model (0: none),
         # and the least wait between two of one request's messages (serve_app/channels.py)
-        self.stream_budget = (config.stream_messages_per_s
-                              if config.stream_messages_per_s is not None
-                              else 500.0 if info["on_gpu"] else 50.0)
-        # by default on CPUs a request alone still waits 40 ms between messages (25 a second,
-        # below what a reader sees): each costs the ingress CPU time taken from the engine's
-        # cores; one stream's TPOT 10.8 -> 9.3 ms
-        self.stream_floor_s = (0.04 if config.stream_messages_per_s is None
-                               and not info["on_gpu"] else 0.0)
+        self.stream_budget, self.stream_floor_s = info["stream_pace"]
         self.max_model_len = info["max_model_len"]
         self.vocab_size = info["vocab_size"]
         self.stream_messages = 0  # yields of generate and channels: Ray messages to the ingress
@@ -91,8 +84,7 @@ class LLMServer:
         old = self.channels.pop(open_.ingress, None)
         if old is not None:
             self._close_channel(old)
-        # the ingress holds each request's tokens for at least the floor: so may the channel
-        channel = self.channels[open_.ingress] = Channel(self.stream_floor_s)
+        channel = self.channels[open_.ingress] = Channel()
         opened = self._opened.pop(open_.ingress, None)
         if opened is not None:
             opened.set()

@@ -27,6 +27,7 @@ import pickle
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ from replicas.kernels import isa
 from replicas.logits_processors import load_factory
 from replicas.model_files import resolve_model_path
 from replicas.models import text_config
+from replicas.output_pacer import Errors, OutputPacer, Outputs
 from replicas.replica_config import CoreSpec
 from replicas.request import EngineError, GenerateRequest
 from replicas.worker import WorkerConfig
@@ -163,7 +165,8 @@ class EngineCore:
                      "shard_num_parameters": executor.shard_sizes(),
                      "weights": executor.weight_formats(), "pid": os.getpid(),
                      "cuda_graphs": executor.cuda_graphs(),
-                     "kv_cache_tokens": executor.num_blocks() * config.block_size}
+                     "kv_cache_tokens": executor.num_blocks() * config.block_size,
+                     "stream_pace": config.stream_pace(on_gpu)}
         # what the 4-bit linears multiply (kernels.quant_activations), where there are any
         self.info["quant_activations"] = (
             kernels.quant_activations() if any(k.startswith("Q4") and k.endswith(" linear_q")
@@ -185,6 +188,12 @@ class EngineCore:
             {name: load_factory(name) for name in config.logits_processors}, compute)
         # requests whose constraint is compiling: an abort meanwhile cancels the compile
         self._compiling: dict[str, asyncio.Task] = {}
+        self.pacer: OutputPacer | None = None
+
+    def connect(self, send: Callable[[Outputs, Errors], None]) -> None:
+        """Where the engine's outputs go: to `send`, gathered under the stream floor."""
+        self.pacer = OutputPacer(send, self.info["stream_pace"][1])
+        self.engine.on_outputs = self.pacer.put
 
     # ---- commands ------------------------------------------------------------------------------
     def handle(self, commands: list[tuple]) -> None:
@@ -209,6 +218,8 @@ class EngineCore:
         task = self._compiling.pop(request_id, None)
         if task is not None:
             task.cancel()
+        if self.pacer is not None:
+            self.pacer.forget(request_id)
         self.engine.abort(request_id)
 
     def _add(self, request: GenerateRequest, compiled: Any) -> None:
@@ -306,8 +317,9 @@ async def _serve(spec: CoreSpec, input_addr: str, output_addr: str, parent: int)
         ray.init(address=spec.ray_address, namespace=spec.ray_namespace,
                  runtime_env=spec.runtime_env, log_to_driver=False)
     core = EngineCore(spec)
-    # one message per step: the engine hands a step's outputs over once, at its end
-    core.engine.on_outputs = lambda outputs, errors: out.send(proto.encode_step(outputs, errors))
+    # one message per step, or per stream floor: the engine hands a step's outputs over once,
+    # at its end
+    core.connect(lambda outputs, errors: out.send(proto.encode_step(outputs, errors)))
     done = loop.create_future()
 
     def on_commands(commands: list[tuple]) -> None:

@@ -39,18 +39,12 @@ class Outbox:
         if isinstance(item, TokenBatch):
             choice = item.choice_index
             self._counts[choice] = self._counts.get(choice, 0) + len(item.token_ids)
-            urgent = self.first_batch(choice) or item.finish_reason is not None
+            urgent = choice not in self._seen or item.finish_reason is not None
+            self._seen.add(choice)
         self._urgent = self._urgent or urgent
         waiter = self._waiter
         if waiter is not None and not waiter.done() and self._due():
             waiter.set_result(None)
-
-    def first_batch(self, choice: int) -> bool:
-        """Whether `choice` had no batch yet (it has now): a first batch is urgent, here and on
-        the channel a channeled request's rows go to instead of `put`."""
-        new = choice not in self._seen
-        self._seen.add(choice)
-        return new
 
     def _due(self) -> bool:
         if not self._items:

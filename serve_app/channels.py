@@ -106,8 +106,9 @@ class Subscription:
             self._producing = True
             hub.producing += 1
         budget, floor = hub.pace or (0.0, 0.0)
-        if budget:
-            self.box.hold_until = time.monotonic() + max(hub.producing / budget, floor)
+        if budget or floor:
+            share = hub.producing / budget if budget else 0.0
+            self.box.hold_until = time.monotonic() + max(share, floor)
         return coalesce(taken)
 
     def cancel(self) -> None:

@@ -37,6 +37,16 @@ def server() -> LLMServer:
     server.close()
 
 
+@pytest.fixture(scope="module")
+def unpaced() -> LLMServer:
+    """No message budget and so no stream floor: the core sends every step's outputs."""
+    server = LLMServer(ReplicaConfig(model=EMBEDDED_MODEL_ID, max_model_len=512,
+                                     kv_cache_gib=0.05, block_size=8,
+                                     stream_messages_per_s=0.0))
+    yield server
+    server.close()
+
+
 async def _settled(server: LLMServer) -> dict:
     """The core's counters once nothing runs (aborts are applied between steps)."""
     for _ in range(100):
@@ -253,43 +263,39 @@ async def test_preemption_by_recompute_keeps_outputs_exact() -> None:
 
 
 async def test_the_replica_reports_the_message_budget_its_ingresses_apply(
-        server: LLMServer) -> None:
-    """The replica sends every step's tokens (the ingress groups them: serve_app/channels.py);
-    it reports the budget: unset, by where the model runs (500 messages a second on GPUs, 50
-    and a 40 ms floor per request on CPUs); set, the setting, with no floor."""
-    prompt = _prompts(1, seed=7)[0]
-    every = await _collect(server, GenerateRequest("si-1", prompt, SamplingParams(
-        max_tokens=14, temperature=0.0, ignore_eos=True)))
-    sizes = [len(b.token_ids) for b in every[0]]
-    # one by one, save the few a busy event loop lets pile up between two reads
-    assert sizes[0] == 1 and sum(sizes) == 14 and len(sizes) >= 10, sizes
+        server: LLMServer, unpaced: LLMServer) -> None:
+    """The replica reports the budget: unset, by where the model runs (500 messages a second on
+    GPUs, 50 and a 40 ms floor per request on CPUs); set, the setting, with no floor. Without
+    a floor the replica sends every step's tokens (the ingress groups them:
+    serve_app/channels.py)."""
     stats = server.stats()
     assert server.config.stream_messages_per_s is None
     gpu = torch.cuda.is_available()
     assert (stats["stream_messages_per_s"], stats["stream_floor_s"]) == (
         (500.0, 0.0) if gpu else (50.0, 0.04))
-    off = LLMServer(ReplicaConfig(model=EMBEDDED_MODEL_ID, max_model_len=128, kv_cache_gib=0.01,
-                                  stream_messages_per_s=0.0), in_process=True)
-    assert (off.stats()["stream_messages_per_s"], off.stats()["stream_floor_s"]) == (0.0, 0.0)
-    off.close()
+    assert (unpaced.stats()["stream_messages_per_s"], unpaced.stats()["stream_floor_s"]) == (
+        0.0, 0.0)
+    prompt = _prompts(1, seed=7)[0]
+    every = await _collect(unpaced, GenerateRequest("si-1", prompt, SamplingParams(
+        max_tokens=14, temperature=0.0, ignore_eos=True)))
+    sizes = [len(b.token_ids) for b in every[0]]
+    # one by one, save the few a busy event loop lets pile up between two reads
+    assert sizes[0] == 1 and sum(sizes) == 14 and len(sizes) >= 10, sizes
 
 
-async def test_a_channel_carries_its_requests_one_message_per_step(
-        server: LLMServer, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_channel_carries_its_requests_one_message_per_step(unpaced: LLMServer) -> None:
     """Requests sent while their ingress's channel is open come over it: `generate` yields one
     `Channeled` and ends with the request, the tokens are exactly those of direct calls, and
     one message carries every request's step (with no stream floor: under one, a message holds
-    the steps of a floor, tests/replicas/test_channel.py). Closing the channel fails the
-    requests on it."""
-    monkeypatch.setattr(server, "stream_floor_s", 0.0)
+    the steps of a floor, below). Closing the channel fails the requests on it."""
     prompts = _prompts(4, seed=13)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    direct = await asyncio.gather(*(_collect(server, GenerateRequest(f"ch-d{i}", p, params))
+    direct = await asyncio.gather(*(_collect(unpaced, GenerateRequest(f"ch-d{i}", p, params))
                                     for i, p in enumerate(prompts)))
-    channel = server.channel(ChannelOpen("this-replica", "ingress-1"))
+    channel = unpaced.channel(ChannelOpen("this-replica", "ingress-1"))
     assert decode(await anext(channel)) == {}
-    calls = [asyncio.create_task(_collect_channeled(server, GenerateRequest(f"ch-c{i}", p, params),
-                                                    "ingress-1"))
+    calls = [asyncio.create_task(_collect_channeled(
+        unpaced, GenerateRequest(f"ch-c{i}", p, params), "ingress-1"))
              for i, p in enumerate(prompts)]
     got: dict[str, list] = {f"ch-c{i}": [] for i in range(4)}
     messages = 0
@@ -299,40 +305,47 @@ async def test_a_channel_carries_its_requests_one_message_per_step(
         for rid, batches in message.items():
             assert len(batches) == 1  # one step's
             got[rid].extend(batches)
-    assert [await c for c in calls] == [[Channeled(server.replica_id)]] * 4
+    assert [await c for c in calls] == [[Channeled(unpaced.replica_id)]] * 4
     assert [_tokens(got[f"ch-c{i}"]) for i in range(4)] == [_tokens(d[0]) for d in direct]
     assert messages <= 16 + 2  # the four requests' steps together (prefills may split)
     # a request still on a channel that closes fails (its ingress can no longer get its tokens)
-    long = asyncio.create_task(_collect_channeled(server, GenerateRequest(
+    long = asyncio.create_task(_collect_channeled(unpaced, GenerateRequest(
         "ch-long", prompts[0], dataclasses.replace(params, max_tokens=100)), "ingress-1"))
     while "ch-long" not in decode(await anext(channel)):
         pass
     await channel.aclose()
     with pytest.raises(EngineError, match="broke"):
         await long
-    assert "ch-long" not in server.core.streams.outboxes
+    assert "ch-long" not in unpaced.core.streams.outboxes
 
 
-async def test_under_the_cpu_stream_floor_a_channel_sends_a_message_per_floor(
-        server: LLMServer, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CPU default: each request's tokens wait at the ingress for at least the floor, so the
-    channel sends at most one message per floor, a request's first and last batches at once."""
-    # the CPU default is 0.04 s; longer here so that a slow machine's steps still share messages
-    monkeypatch.setattr(server, "stream_floor_s", 0.2)
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    channel = server.channel(ChannelOpen("this-replica", "ingress-2"))
-    assert decode(await anext(channel)) == {}
-    call = asyncio.create_task(_collect_channeled(server, GenerateRequest(
-        "floor", _prompts(1, seed=3)[0], params), "ingress-2"))
-    batches: list = []
-    messages = 0
-    while not batches or batches[-1].finish_reason is None:
-        batches += decode(await anext(channel)).get("floor", [])
-        messages += 1
-    await call
-    await channel.aclose()
-    assert sum(len(b.token_ids) for b in batches) == 40
-    assert messages < len(batches)  # a message held several steps' rows
+async def test_under_a_stream_floor_the_core_sends_a_message_per_floor() -> None:
+    """Under a floor (CPUs by default: 40 ms) each request's tokens wait at the ingress for at
+    least the floor, so the core sends its front at most one message per floor
+    (replicas/output_pacer.py), a request's first and last batches at once, and the channel one
+    for each."""
+    # longer than the CPU default, so that a slow machine's steps still share messages
+    paced = LLMServer(ReplicaConfig(model=EMBEDDED_MODEL_ID, max_model_len=128,
+                                    kv_cache_gib=0.01, stream_floor_s=0.2))
+    try:
+        assert paced.stats()["stream_floor_s"] == 0.2
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        channel = paced.channel(ChannelOpen("this-replica", "ingress-2"))
+        assert decode(await anext(channel)) == {}
+        call = asyncio.create_task(_collect_channeled(paced, GenerateRequest(
+            "floor", _prompts(1, seed=3)[0], params), "ingress-2"))
+        batches: list = []
+        messages = 0
+        while not batches or batches[-1].finish_reason is None:
+            batches += decode(await anext(channel)).get("floor", [])
+            messages += 1
+        await call
+        await channel.aclose()
+        assert sum(len(b.token_ids) for b in batches) == 40
+        assert messages < len(batches)  # a message held several steps' rows
+        assert len(batches[0].token_ids) == 1 and messages >= 2  # the first went alone
+    finally:
+        paced.close()
 
 
 async def test_a_request_waits_for_its_ingress_to_open_the_channel(
