@@ -35,6 +35,7 @@
 #define ROWS 8   /* rows of x per tile: 16 accumulators */
 #define CHUNK_PAIRS 32  /* k pairs of a panel per chunk (panel_rows): 4 KiB of weights, in L1 */
 #define CHUNKED_ROWS 64 /* up to this many rows the tiles take turns chunk by chunk */
+#define CHUNKED(M, K) ((M) > ROWS && (M) <= CHUNKED_ROWS && (K) >= 2)
 
 int linear_bf16_fast(void) { return HAVE_DPBF16; }
 
@@ -84,11 +85,11 @@ KERNEL_INLINE void tile(const uint16_t *x, const uint16_t *panel, const uint16_t
 }
 
 /* Pairs p0 .. p1 of the panel against rows m0 .. m0+MT of x, going on from the float32 partial
-   sums in acc (zero where p0 is 0) and leaving them there; with PREFETCH, the same pairs of the
-   next chunk are asked of memory meanwhile. */
+   sums in acc (zero where p0 is 0) and leaving them there; unless `ahead` is NULL, as many
+   pairs from there (the next chunk, or the next panel's first) are asked of memory meanwhile. */
 KERNEL_INLINE void chunk_tile(const uint16_t *x, const uint16_t *panel, float *acc_rows,
-                              int64_t K, int64_t m0, int64_t p0, int64_t p1, int PREFETCH,
-                              int MT) {
+                              int64_t K, int64_t m0, int64_t p0, int64_t p1,
+                              const uint16_t *ahead, int MT) {
     __m512 acc[ROWS][2];
     for (int i = 0; i < MT; i++) {
         acc[i][0] = p0 ? _mm512_loadu_ps(acc_rows + (m0 + i) * PANEL) : _mm512_setzero_ps();
@@ -97,10 +98,9 @@ KERNEL_INLINE void chunk_tile(const uint16_t *x, const uint16_t *panel, float *a
     const uint16_t *xr[ROWS];
     for (int i = 0; i < MT; i++) xr[i] = x + (m0 + i) * K;
     for (int64_t p = p0; p < p1; p++) {
-        if (PREFETCH) {
-            _mm_prefetch((const char *)(panel + (p + CHUNK_PAIRS) * 2 * PANEL), _MM_HINT_T0);
-            _mm_prefetch((const char *)(panel + (p + CHUNK_PAIRS) * 2 * PANEL + PANEL),
-                         _MM_HINT_T0);
+        if (ahead) {
+            _mm_prefetch((const char *)(ahead + (p - p0) * 2 * PANEL), _MM_HINT_T0);
+            _mm_prefetch((const char *)(ahead + (p - p0) * 2 * PANEL + PANEL), _MM_HINT_T0);
         }
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + p * 2 * PANEL);
         const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + p * 2 * PANEL + PANEL);
@@ -147,23 +147,25 @@ KERNEL_INLINE void store_chunked(const uint16_t *x, const uint16_t *panel, const
    chunk from memory (asking for the next one as it goes), the others from L1, so the panel's
    memory traffic is spread over all of its compute. Tile by tile, the first tile's whole pass
    waited on memory and the others' on nothing. On Zen 5 (compute twice Zen 4's, against the
-   same memory), bench-135m's projections, `bench linear`: 32 rows 55% -> 65-68% of the
-   vdpbf16ps peak, 16 rows 35% -> 43-47%, 64 rows 74% -> 75-81%; chunks of 16 or 64 pairs were
-   slower than 32, 128 no better than none. */
+   same memory), bench-135m's projections, `bench linear`: 32 rows 533 -> 613-665 GFLOP/s
+   (55% -> 65-68% of the vdpbf16ps peak), 16 rows 338 -> 419-462; chunks of 16 or 64 pairs were
+   slower than 32, 128 no better than none. The last chunk asks for the next panel's first (the
+   thread's next panel, claimed ahead in linear_bf16): 32 rows 613 -> 688-695 GFLOP/s (70-71%),
+   16 rows 419-443 -> 446-473, 64 rows 712-766 -> 790-798. */
 static void panel_rows(const uint16_t *x, const uint16_t *panel, const uint16_t *bias,
-                       uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t n0) {
+                       uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t n0,
+                       const uint16_t *next_panel) {
     int64_t m = 0;
-    if (M > ROWS && M <= CHUNKED_ROWS && K >= 2) {
+    if (CHUNKED(M, K)) {
         float acc_rows[CHUNKED_ROWS * PANEL] __attribute__((aligned(64)));
         const int64_t pairs = K / 2, whole = M / ROWS * ROWS;
         for (int64_t p0 = 0; p0 < pairs; p0 += CHUNK_PAIRS) {
             const int64_t p1 = p0 + CHUNK_PAIRS < pairs ? p0 + CHUNK_PAIRS : pairs;
-            const int more = p1 < pairs;
-            if (more) chunk_tile(x, panel, acc_rows, K, 0, p0, p1, 1, ROWS);
-            else chunk_tile(x, panel, acc_rows, K, 0, p0, p1, 0, ROWS);
+            chunk_tile(x, panel, acc_rows, K, 0, p0, p1,
+                       p1 < pairs ? panel + p1 * 2 * PANEL : next_panel, ROWS);
             for (m = ROWS; m < whole; m += ROWS)
-                chunk_tile(x, panel, acc_rows, K, m, p0, p1, 0, ROWS);
-            TAIL_TILES(chunk_tile, M - whole, x, panel, acc_rows, K, whole, p0, p1, 0)
+                chunk_tile(x, panel, acc_rows, K, m, p0, p1, NULL, ROWS);
+            TAIL_TILES(chunk_tile, M - whole, x, panel, acc_rows, K, whole, p0, p1, NULL)
         }
         for (m = 0; m < whole; m += ROWS)
             store_chunked(x, panel, acc_rows, bias, y, N, K, m, n0, ROWS);
@@ -184,9 +186,23 @@ int linear_bf16(const void *x, const void *w, const void *bias, void *y, int64_t
     const uint16_t *xs = x, *ws = w, *bs = bias;
     uint16_t *ys = y;
     const int64_t panels = (N + PANEL - 1) / PANEL, panel_size = (K + 1) / 2 * 2 * PANEL;
+    int64_t claimed = 0;
 #pragma omp parallel num_threads(num_threads)
-    FOR_WHOLE_PANELS(t, panels, M,
-                     panel_rows(xs, ws + t * panel_size, bs, ys, M, N, K, t * PANEL))
+    if (CHUNKED(M, K)) {
+        /* panels one at a time to whichever thread is free (FOR_WHOLE_PANELS's dealing, by
+           hand): a thread claims its next panel before it does the one it has, so that the
+           last chunk can ask for the next panel's first */
+        int64_t t = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+        while (t < panels) {
+            const int64_t after = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+            panel_rows(xs, ws + t * panel_size, bs, ys, M, N, K, t * PANEL,
+                       after < panels ? ws + after * panel_size : NULL);
+            t = after;
+        }
+    } else {
+        FOR_WHOLE_PANELS(t, panels, M,
+                         panel_rows(xs, ws + t * panel_size, bs, ys, M, N, K, t * PANEL, NULL))
+    }
     return 0;
 #else
     (void)x, (void)w, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)num_threads;
