@@ -20,7 +20,14 @@ does it stream the request's batches itself.
 The channel call is pinned to its replica by `replicas/router.py` (`ChannelOpen` names it). A
 channel with no request on it for `IDLE_S` ends (the ingress opens it again with its next request
 there): Serve drains a replica it stops by waiting for its calls, and a channel never ends by
-itself."""
+itself.
+
+**Direct channels.** An ingress on the same Ray node as the replica names a socket of its own in
+`ChannelOpen` (serve_app/inbox.py), and the replica's engine core then sends that ingress's rows
+there itself (replicas/ingress_routes.py): the front relays nothing per step, and no Ray message
+carries tokens. The channel call stays open all the same, carrying nothing: it is how the replica
+learns that the ingress is gone (Serve cancels it), and how the ingress learns that the replica
+is. The front still gets each choice's last batch, to end the request's `generate`."""
 
 from __future__ import annotations
 
@@ -36,9 +43,22 @@ OPEN_WAIT_S = 2.0
 
 @dataclass(frozen=True)
 class ChannelOpen:
-    """The argument of a channel call: the replica it must reach and the ingress it serves."""
+    """The argument of a channel call: the replica it must reach and the ingress it serves;
+    and where that ingress takes rows directly (a ZeroMQ address only its node can reach, on
+    the Ray node `node`), or None."""
     replica: str
     ingress: str
+    address: str | None = None
+    node: str | None = None
+
+
+def node_id() -> str | None:
+    """This process's Ray node, None outside Ray."""
+    try:
+        import ray
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except Exception:  # noqa: BLE001  (no runtime context: not a Ray worker)
+        return None
 
 
 @dataclass(frozen=True)
@@ -56,14 +76,16 @@ class Channeled:
 
 class Channel:
     """The replica's side: the rows (`core_protocol.batch_row`) of the ingress's requests that
-    came since the last send, sent as one msgpack message."""
+    came since the last send, sent as one msgpack message; none on a `direct` one (the core
+    sends them to the ingress's socket)."""
 
-    __slots__ = ("_rows", "_wake", "closed")
+    __slots__ = ("_rows", "_wake", "closed", "direct")
 
-    def __init__(self) -> None:
+    def __init__(self, direct: bool = False) -> None:
         self._rows: list[list] = []
         self._wake = asyncio.Event()
         self.closed = False
+        self.direct = direct
 
     def close(self) -> None:
         self.closed = True

@@ -76,11 +76,17 @@ class Streams:
                 box.put(batch)
         self._fail(errors)
 
-    def dispatch_rows(self, rows: list[list], errors: list[tuple[str, BaseException]]) -> None:
+    def dispatch_rows(self, rows: list[list], errors: list[tuple[str, BaseException]],
+                      ended: list[list] = ()) -> None:  # type: ignore[assignment]
         """One step's outputs as the core process sends them (`proto.batch_row`). A channeled
         request's rows go to its channel undecoded (only its choices' last batches are decoded,
-        to end its `generate`): the front makes no objects per token for it."""
+        to end its `generate`): the front makes no objects per token for it. `ended`: last
+        batches the core sent their ingress itself (a direct channel): they only end requests."""
         boxes = self.outboxes
+        for row in ended:
+            box = boxes.get(row[0])
+            if box is not None:
+                box.put(proto.row_batch(row))
         for row in rows:
             box = boxes.get(row[0])
             if box is None:
@@ -154,6 +160,7 @@ class ProcessCore:
         self.restarts = 0
         self._restart_times: list[float] = []
         self.failed: str | None = "starting"  # why it cannot take requests now, or None
+        self.ingresses: dict[str, str] = {}  # direct channels: ingress -> its socket's address
         self._ctx = zmq.Context()
         self._dir = tempfile.mkdtemp(prefix="shardserve-core-")  # 0700: only we can connect
         self._generation = itertools.count()
@@ -194,6 +201,16 @@ class ProcessCore:
 
     def stop_choice(self, request_id: str, choice: int, kept: int) -> None:
         self._send((proto.STOP, request_id, choice, kept))
+
+    def connect_ingress(self, ingress: str, address: str) -> None:
+        """A direct channel: the core sends the rows of requests marked with this ingress to
+        `address` (replicas/channel.py); a core that restarts is told again."""
+        self.ingresses[ingress] = address
+        self._send((proto.CONNECT, ingress, address))
+
+    def disconnect_ingress(self, ingress: str) -> None:
+        if self.ingresses.pop(ingress, None) is not None:
+            self._send((proto.DISCONNECT, ingress))
 
     def _send(self, command: tuple) -> None:
         """Commands of one turn of the event loop leave together, as one message."""
@@ -295,6 +312,9 @@ class ProcessCore:
                 pull.close()
                 raise RuntimeError(f"it was not ready within {READY_TIMEOUT_S:.0f} s")
         self._stats = dict(NO_STATS)
+        if self.ingresses:  # a restarted core: the direct channels still open, before any request
+            push.send(proto.encode_commands([(proto.CONNECT, ingress, address)
+                                             for ingress, address in list(self.ingresses.items())]))
         with self._push_lock:
             self._proc, self._push = proc, push
         self._heard = time.monotonic()
@@ -317,7 +337,7 @@ class ProcessCore:
                 kind = message[0]
                 if kind == proto.STEP:
                     self._call(self.streams.dispatch_rows, message[1],
-                               proto.decode_errors(message[2]))
+                               proto.decode_errors(message[2]), message[3])
                 elif kind == proto.BEAT:
                     self._stats = message[1]
                 elif kind == proto.STATS:

@@ -1,18 +1,25 @@
 """The messages between a replica (the front) and its engine-core process.
 
-Core -> front, msgpack (one `STEP` message per engine step carries every request's new tokens and
-every failed request's error, as plain lists: no class names, no per-object headers):
+Core -> front, msgpack (one `STEP` message per engine step, or per stream floor, carries every
+request's new tokens and every failed request's error, as plain lists: no class names, no
+per-object headers):
   [READY, info]            the model is loaded; `info` describes it (LLMServer.info)
-  [STEP, rows, errors]     rows: [request_id, TokenBatch fields...] (`batch_row`), which the
+  [STEP, rows, errors, ended]
+                           rows: [request_id, TokenBatch fields...] (`batch_row`), which the
                            front forwards undecoded to the ingress of a channeled request
-                           (replicas/channel.py); errors: [request_id, ...]
+                           (replicas/channel.py); errors: [request_id, ...]; ended: the last
+                           batches of requests whose rows the core sent their ingress itself
+                           (a direct channel), which only end their `generate`
   [BEAT, stats]            every HEARTBEAT_S: the engine's counters and health (also a liveness
                            signal while a long forward runs on the core's compute thread)
   [STATS, token, stats]    the answer to a STATS command
 Front -> core, pickle (requests carry their constraint specs and sampling parameters as frozen
 dataclasses; one message holds every command issued in one turn of the front's event loop):
   [(ADD, GenerateRequest) | (ABORT, request_id) | (STOP, request_id, choice, kept)
-   | (STATS, token) | (SHUTDOWN,)]
+   | (STATS, token) | (SHUTDOWN,) | (CONNECT, ingress, address) | (DISCONNECT, ingress)]
+CONNECT and DISCONNECT open and close a direct channel: the core sends that ingress's requests'
+rows to its socket (replicas/ingress_routes.py), as lists of `batch_row`s, one message per core
+message (an ingress's socket also sits in a directory only this user can open).
 Both ends live on one host and the sockets sit in a directory only this user can open."""
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import msgpack
 
 from replicas.request import EngineError, TokenBatch, TokenLogprob
 
-READY, STEP, BEAT, STATS, ADD, ABORT, STOP, SHUTDOWN = range(8)
+READY, STEP, BEAT, STATS, ADD, ABORT, STOP, SHUTDOWN, CONNECT, DISCONNECT = range(10)
 HEARTBEAT_S = 0.5
 
 
@@ -65,7 +72,8 @@ def row_batch(row: list) -> TokenBatch:
 
 
 def encode_step(outputs: list[tuple[str, TokenBatch]],
-                errors: list[tuple[str, BaseException]]) -> bytes:
+                errors: list[tuple[str, BaseException]],
+                ended: list[tuple[str, TokenBatch]] = ()) -> bytes:  # type: ignore[assignment]
     errs = []
     for rid, exc in errors:
         if isinstance(exc, EngineError):
@@ -73,7 +81,8 @@ def encode_step(outputs: list[tuple[str, TokenBatch]],
         else:
             errs.append([rid, f"{type(exc).__name__}: {exc}", 500, None,
                          "InternalServerError", None])
-    return msgpack.packb([STEP, [batch_row(rid, b) for rid, b in outputs], errs])
+    return msgpack.packb([STEP, [batch_row(rid, b) for rid, b in outputs], errs,
+                          [batch_row(rid, b) for rid, b in ended]])
 
 
 def decode_errors(errs: list) -> list[tuple[str, EngineError]]:

@@ -23,7 +23,15 @@ from ray import serve
 
 from replicas import core_protocol as proto
 from replicas import status_board
-from replicas.channel import IDLE_S, OPEN_WAIT_S, Channel, Channeled, ChannelOpen, NeedChannel
+from replicas.channel import (
+    IDLE_S,
+    OPEN_WAIT_S,
+    Channel,
+    Channeled,
+    ChannelOpen,
+    NeedChannel,
+    node_id,
+)
 from replicas.core_client import InProcessCore, ProcessCore
 from replicas.replica_config import CoreSpec, ReplicaConfig
 from replicas.request import EngineError, GenerateRequest, TokenBatch, coalesce
@@ -83,8 +91,13 @@ class LLMServer:
         the first) replaces the first."""
         old = self.channels.pop(open_.ingress, None)
         if old is not None:
-            self._close_channel(old)
-        channel = self.channels[open_.ingress] = Channel()
+            self._close_channel(old, open_.ingress)
+        # direct where the ingress's socket is on this node and the core is a process of its own
+        direct = (open_.address is not None and open_.node is not None
+                  and open_.node == node_id() and isinstance(self.core, ProcessCore))
+        channel = self.channels[open_.ingress] = Channel(direct)
+        if direct:
+            self.core.connect_ingress(open_.ingress, open_.address)
         opened = self._opened.pop(open_.ingress, None)
         if opened is not None:
             opened.set()
@@ -101,10 +114,12 @@ class LLMServer:
         finally:
             if self.channels.get(open_.ingress) is channel:
                 del self.channels[open_.ingress]
-            self._close_channel(channel)
+            self._close_channel(channel, open_.ingress)
 
-    def _close_channel(self, channel: Channel) -> None:
+    def _close_channel(self, channel: Channel, ingress: str) -> None:
         """Its requests are aborted and fail (their ingress can no longer get their tokens)."""
+        if channel.direct and not channel.closed:
+            self.core.disconnect_ingress(ingress)
         channel.close()
         for rid, box in list(self.core.streams.outboxes.items()):
             if box.channel is channel:
@@ -123,8 +138,11 @@ class LLMServer:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(OPEN_WAIT_S):
                     await opened.wait()
+        channeled = self.channels.get(channel) if channel is not None else None
+        if channeled is not None and channeled.direct:
+            request = replace(request, ingress=channel)
         outbox = self.core.add(request)
-        outbox.channel = self.channels.get(channel) if channel is not None else None
+        outbox.channel = channeled
         remaining = request.n
         first = True
         try:

@@ -41,6 +41,7 @@ from replicas import kernels, kv_budget
 from replicas.engine import Engine, EngineConfig, compute_thread
 from replicas.executor import InProcessExecutor
 from replicas.gguf_checkpoint import LINK
+from replicas.ingress_routes import IngressRoutes
 from replicas.kernels import isa
 from replicas.logits_processors import load_factory
 from replicas.model_files import resolve_model_path
@@ -317,16 +318,32 @@ async def _serve(spec: CoreSpec, input_addr: str, output_addr: str, parent: int)
         ray.init(address=spec.ray_address, namespace=spec.ray_namespace,
                  runtime_env=spec.runtime_env, log_to_driver=False)
     core = EngineCore(spec)
+    routes = IngressRoutes(ctx)
+
+    def send(outputs: Outputs, errors: Errors) -> None:
+        relayed, ended = routes.split(outputs, errors)
+        if relayed or errors or ended:
+            out.send(proto.encode_step(relayed, errors, ended))
+
     # one message per step, or per stream floor: the engine hands a step's outputs over once,
     # at its end
-    core.connect(lambda outputs, errors: out.send(proto.encode_step(outputs, errors)))
+    core.connect(send)
     done = loop.create_future()
 
     def on_commands(commands: list[tuple]) -> None:
         for command in commands:
-            if command[0] == proto.STATS:
+            kind = command[0]
+            if kind == proto.ADD:
+                routes.add(command[1])
+            elif kind == proto.ABORT:
+                routes.forget(command[1])
+            elif kind == proto.CONNECT:
+                routes.connect(command[1], command[2])
+            elif kind == proto.DISCONNECT:
+                routes.disconnect(command[1])
+            elif kind == proto.STATS:
                 out.send(proto.encode([proto.STATS, command[1], core.stats()]))
-            elif command[0] == proto.SHUTDOWN and not done.done():
+            elif kind == proto.SHUTDOWN and not done.done():
                 done.set_result(None)
         core.handle(commands)
 
@@ -357,6 +374,7 @@ async def _serve(spec: CoreSpec, input_addr: str, output_addr: str, parent: int)
     finally:
         beater.cancel()
         core.shutdown()
+        routes.close()
         out.close(linger=1000)
         inp.close(linger=0)
         ctx.term()

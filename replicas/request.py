@@ -107,6 +107,9 @@ class GenerateRequest:
     mm_items: tuple[MultiModalItem, ...] = ()
     # a model with M-RoPE (model.uses_mrope): the prompt's 3-D positions; None: text positions
     mrope: MRopePositions | None = None
+    # the ingress whose direct channel takes this request's rows from the engine core (set by
+    # the replica: replicas/channel.py); None: they go through the replica
+    ingress: str | None = None
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,9 @@ A request is subscribed before its call is made (its first batches may come over
 before the call's `Channeled` marker does). A request that reaches a replica without this
 ingress's channel asks for one (`NeedChannel`) and waits for it there; only if none opens in time
 does it stream over its own call. A channeled request ends when every choice has had its last
-batch; its call still carries its failure and is what is cancelled to abort it."""
+batch; its call still carries its failure and is what is cancelled to abort it. Where this
+ingress runs in Ray, its channels are direct: each open names this hub's inbox
+(serve_app/inbox.py), and the cores of replicas on its node send their rows there."""
 
 from __future__ import annotations
 
@@ -17,9 +19,10 @@ import time
 import uuid
 from typing import Any
 
-from replicas.channel import Channeled, ChannelOpen, NeedChannel, decode
+from replicas.channel import Channeled, ChannelOpen, NeedChannel, decode, node_id
 from replicas.outbox import Outbox
 from replicas.request import TokenBatch, coalesce
+from serve_app.inbox import Inbox
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +146,30 @@ class ChannelHub:
         # between two of one request's messages), as the model's replicas report it (None: no
         # report yet, no budget meanwhile)
         self.pace: tuple[float, float] | None = None
+        # where the engine cores of this node send rows directly (opened with the first
+        # channel, where this ingress runs in Ray: serve_app/inbox.py)
+        self.inbox: Inbox | None = None
+
+    def deliver(self, message: bytes) -> None:
+        """A channel message, from a replica's channel call or a core's direct send."""
+        subs = self.subscriptions
+        for request_id, batches in decode(message).items():
+            sub = subs.get(request_id)
+            if sub is not None:
+                sub.from_channel(batches)
+
+    def _direct(self) -> tuple[str | None, str | None]:
+        """(this ingress's inbox address, its Ray node): where cores may send rows directly."""
+        node = node_id()
+        if node is None:
+            return None, None
+        if self.inbox is None:
+            try:
+                self.inbox = Inbox(self.deliver)
+            except Exception as exc:  # noqa: BLE001  (rows then come over the channel calls)
+                logger.warning("no inbox for direct channels: %r", exc)
+                return None, None
+        return self.inbox.address, node
 
     def subscribe(self, request_id: str, n: int, min_tokens: int = 1) -> Subscription:
         """Before the request's call is made: its batches may come over a channel first."""
@@ -166,17 +193,13 @@ class ChannelHub:
         # with their request)
         from ray.serve.context import _set_request_context
         _set_request_context(_internal_request_id=uuid.uuid4().hex)
-        call = self.handle.channel.remote(ChannelOpen(replica, self.ingress))
+        call = self.handle.channel.remote(ChannelOpen(replica, self.ingress, *self._direct()))
         ended = False  # by the replica, idle
         try:
             async with asyncio.timeout(OPEN_TIMEOUT_S):
                 await anext(call)
             async for message in call:
-                subs = self.subscriptions
-                for request_id, batches in decode(message).items():
-                    sub = subs.get(request_id)
-                    if sub is not None:
-                        sub.from_channel(batches)
+                self.deliver(message)
             ended = True
         except Exception as exc:  # noqa: BLE001 (its requests fail through their own calls)
             logger.warning("channel to replica %s ended: %r", replica, exc)

@@ -14,10 +14,12 @@ import sys
 import pytest
 import torch
 
+from replicas import deployment
 from replicas.channel import Channeled, ChannelOpen, NeedChannel, decode
 from replicas.deployment import LLMServer, ReplicaConfig
 from replicas.embedded import EMBEDDED_MODEL_ID
 from replicas.request import EngineError, GenerateRequest, SamplingParams
+from serve_app.inbox import Inbox
 
 
 NGRAM = "replicas.logits_processors:NoRepeatNGram"
@@ -317,6 +319,49 @@ async def test_a_channel_carries_its_requests_one_message_per_step(unpaced: LLMS
     with pytest.raises(EngineError, match="broke"):
         await long
     assert "ch-long" not in unpaced.core.streams.outboxes
+
+
+async def test_a_direct_channel_takes_rows_from_the_core_to_the_ingress_socket(
+        unpaced: LLMServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ingress on the replica's node names its inbox when it opens the channel: the core
+    sends that ingress's requests' rows there itself, the channel call carries none, and
+    `generate` still ends with the request (its last batch reaches the front too). Closing
+    the channel fails what is still on it."""
+    monkeypatch.setattr(deployment, "node_id", lambda: "node-1")
+    got: dict[str, list] = {}
+
+    def take(message: bytes) -> None:
+        for rid, batches in decode(message).items():
+            got.setdefault(rid, []).extend(batches)
+    inbox = Inbox(take)
+    try:
+        channel = unpaced.channel(ChannelOpen("this-replica", "ingress-d", inbox.address,
+                                              "node-1"))
+        assert decode(await anext(channel)) == {}
+        assert unpaced.channels["ingress-d"].direct
+        prompts = _prompts(3, seed=21)
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        direct = await asyncio.gather(*(_collect(unpaced, GenerateRequest(f"dc-r{i}", p, params))
+                                        for i, p in enumerate(prompts)))
+        calls = await asyncio.gather(*(_collect_channeled(
+            unpaced, GenerateRequest(f"dc-{i}", p, params), "ingress-d")
+            for i, p in enumerate(prompts)))
+        assert calls == [[Channeled(unpaced.replica_id)]] * 3
+        for _ in range(100):  # the inbox's reader thread hands messages over
+            if all(got.get(f"dc-{i}") and got[f"dc-{i}"][-1].finish_reason for i in range(3)):
+                break
+            await asyncio.sleep(0.02)
+        assert [_tokens(got[f"dc-{i}"]) for i in range(3)] == [_tokens(d[0]) for d in direct]
+        long = asyncio.create_task(_collect_channeled(unpaced, GenerateRequest(
+            "dc-long", prompts[0], dataclasses.replace(params, max_tokens=100)), "ingress-d"))
+        while "dc-long" not in got:
+            await asyncio.sleep(0.01)
+        await channel.aclose()
+        with pytest.raises(EngineError, match="broke"):
+            await long
+        assert unpaced.core.ingresses == {}
+    finally:
+        inbox.close()
 
 
 async def test_under_a_stream_floor_the_core_sends_a_message_per_floor() -> None:
