@@ -82,18 +82,20 @@ def _logits_against(reference: Any, worker: ShardWorker,
 # largest difference over the largest logit), measured on these steps: float32 under 1e-5,
 # bfloat16 (AVX512-BF16's default) 0.3-0.7%, int8 (llama.cpp's arithmetic) 4-17%
 _BOUNDS = {"float32": 1e-4, "bfloat16": 0.02, "int8": 0.3}
-# and how close to transformers' best its pick must score: the same token in float32 and
-# bfloat16; under int8's noise two tokens a few % apart trade places (4 of 7 rows flipped when
-# silu's exp moved by 4e-7), so there a token scored within 10% of the best
-_MARGINS = {"float32": 0.0, "bfloat16": 0.0, "int8": 0.1}
+# and how close to transformers' best its pick must score: the same token in float32; within
+# 1% of the best in bfloat16, whose rounding noise (0.3-0.9% of the largest logit) decides near
+# ties (a row whose top two transformers scores 0.4% apart flipped when the attention softmax's
+# exp moved by 4e-7 and rounded a few activations the other way); under int8's noise two tokens
+# a few % apart trade places (4 of 7 rows flipped when silu's exp moved), so there within 10%
+_MARGINS = {"float32": 0.0, "bfloat16": 0.01, "int8": 0.1}
 
 
 @pytest.mark.skipif(kernels.load() is None, reason="no native kernels here")
 def test_weights_stay_quantized_and_logits_match_transformers(folder: Path,
                                                               reference: Any) -> None:
     """In each activation mode the build runs (kernels.QUANT_ACTIVATIONS) the logits stay within
-    the mode's bound of transformers' own and every row picks transformers' token (under int8,
-    one transformers scores within _MARGINS of it)."""
+    the mode's bound of transformers' own and every row picks transformers' token (under bfloat16
+    and int8, one transformers scores within _MARGINS of it)."""
     worker = _worker(folder)
     formats = worker.weight_formats()
     assert formats == {"Q8_0 embedding": 1, "Q4_1 linear_q": 120, "Q8_0 linear_q": 1}, formats
