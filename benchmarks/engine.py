@@ -80,6 +80,16 @@ def roofline_step_s(server: LLMServer, batch: int, repeats: int = 5) -> float:
     return best
 
 
+def weights_read_s(server: LLMServer) -> float:
+    """The model's weights, as stored (packed, quantized), over the device's read bandwidth."""
+    from benchmarks.step import read_bandwidth
+
+    runner = server.core.engine.executor.worker.runner  # type: ignore[attr-defined]
+    params = list(runner.model.parameters())
+    return (sum(p.numel() * p.element_size() for p in params)
+            / read_bandwidth(params[0].device, gib=0.5))
+
+
 def prompt_forward_s(server: LLMServer, prompt_len: int, repeats: int = 5) -> float:
     """Median time of one forward (with sampling's logits) over a fresh `prompt_len`-token
     prompt, on the engine's compute thread, straight to the executor: no scheduler, no queue."""
@@ -166,12 +176,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return result
     batch = min(n, args.max_num_seqs)
     roof = roofline_step_s(server, batch)
-    single = roofline_step_s(server, 1)
     forward = prompt_forward_s(server, round(in_tokens / n))
     result |= {
         "roofline_decode_step_ms_at_batch": roof * 1e3, "roofline_batch": batch,
         "roofline_decode_tokens_per_s": batch / roof,
-        "single_stream_pass_ms": single * 1e3,
+        # one read of every weight at the device's read bandwidth: one stream's TPOT floor
+        "weights_read_ms": weights_read_s(server) * 1e3,
         "prompt_forward_ms": forward * 1e3, "prompt_forward_len": round(in_tokens / n),
         "threads": torch.get_num_threads(),
         "device": torch_device_name(
