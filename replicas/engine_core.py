@@ -332,18 +332,10 @@ async def _serve(spec: CoreSpec, input_addr: str, output_addr: str, parent: int)
 
     def on_commands(commands: list[tuple]) -> None:
         for command in commands:
-            kind = command[0]
-            if kind == proto.ADD:
-                routes.add(command[1])
-            elif kind == proto.ABORT:
-                routes.forget(command[1])
-            elif kind == proto.CONNECT:
-                routes.connect(command[1], command[2])
-            elif kind == proto.DISCONNECT:
-                routes.disconnect(command[1])
-            elif kind == proto.STATS:
+            routes.handle(command)
+            if command[0] == proto.STATS:
                 out.send(proto.encode([proto.STATS, command[1], core.stats()]))
-            elif kind == proto.SHUTDOWN and not done.done():
+            elif command[0] == proto.SHUTDOWN and not done.done():
                 done.set_result(None)
         core.handle(commands)
 

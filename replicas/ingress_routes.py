@@ -33,6 +33,19 @@ class IngressRoutes:
         self._sockets: dict[str, Any] = {}  # ingress -> its PUSH socket
         self._requests: dict[str, _Route] = {}
 
+    def handle(self, command: tuple) -> None:
+        """A command from the front (core_protocol) as far as routing goes: new requests, aborts,
+        channels opening and closing."""
+        kind = command[0]
+        if kind == proto.ADD:
+            self.add(command[1])
+        elif kind == proto.ABORT:
+            self.forget(command[1])
+        elif kind == proto.CONNECT:
+            self.connect(command[1], command[2])
+        elif kind == proto.DISCONNECT:
+            self.disconnect(command[1])
+
     def connect(self, ingress: str, address: str) -> None:
         import zmq
 

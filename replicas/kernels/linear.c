@@ -41,59 +41,18 @@ int linear_bf16_fast(void) { return HAVE_DPBF16; }
 
 #if HAVE_DPBF16
 
-/* Rows m0 .. m0+MT of y, the panel's columns n0 .. n0+PANEL (those below N); MT is a constant at
-   each call site so the accumulators live in registers. */
-KERNEL_INLINE void tile(const uint16_t *x, const uint16_t *panel, const uint16_t *bias,
-                        uint16_t *y, int64_t N, int64_t K, int64_t m0, int64_t n0, int MT) {
-    __m512 acc[ROWS][2];
-    for (int i = 0; i < MT; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-    const uint16_t *xr[ROWS];
-    for (int i = 0; i < MT; i++) xr[i] = x + (m0 + i) * K;
-    const int64_t pairs = K / 2;
-    for (int64_t p = 0; p < pairs; p++) {
-        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + p * 2 * PANEL);
-        const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + p * 2 * PANEL + PANEL);
-        for (int i = 0; i < MT; i++) {
-            uint32_t pair;
-            memcpy(&pair, xr[i] + 2 * p, sizeof pair);
-            const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);
-            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], xv, w0);
-            acc[i][1] = _mm512_dpbf16_ps(acc[i][1], xv, w1);
-        }
-    }
-    if (K & 1) {  // the last x element pairs with zero (the packed weight's padding is zero too)
-        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + pairs * 2 * PANEL);
-        const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + pairs * 2 * PANEL + PANEL);
-        for (int i = 0; i < MT; i++) {
-            const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xr[i][K - 1]);
-            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], xv, w0);
-            acc[i][1] = _mm512_dpbf16_ps(acc[i][1], xv, w1);
-        }
-    }
-    for (int h = 0; h < 2; h++) {
-        const int64_t c0 = n0 + 16 * h;
-        if (c0 >= N) break;
-        const __mmask16 mask = N - c0 >= 16 ? 0xffff : (__mmask16)((1u << (N - c0)) - 1);
-        __m512 b = _mm512_setzero_ps();
-        if (bias)  // bf16 -> float32 is a 16-bit shift
-            b = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + c0)), 16));
-        for (int i = 0; i < MT; i++)
-            _mm256_mask_storeu_epi16(y + (m0 + i) * N + c0, mask,
-                                     (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[i][h], b)));
-    }
-}
-
 /* Pairs p0 .. p1 of the panel against rows m0 .. m0+MT of x, going on from the float32 partial
-   sums in acc (zero where p0 is 0) and leaving them there; unless `ahead` is NULL, as many
-   pairs from there (the next chunk, or the next panel's first) are asked of memory meanwhile. */
-KERNEL_INLINE void chunk_tile(const uint16_t *x, const uint16_t *panel, float *acc_rows,
-                              int64_t K, int64_t m0, int64_t p0, int64_t p1,
-                              const uint16_t *ahead, int MT) {
+   sums in sums (the tile's MT rows of PANEL; zero where p0 is 0) and leaving them there; MT is
+   a constant at each call site so the accumulators live in registers. Unless `ahead` is NULL,
+   as many pairs from there (the next chunk, or the next panel's first) are asked of memory
+   meanwhile. */
+KERNEL_INLINE void chunk_tile(const uint16_t *x, const uint16_t *panel, float *sums, int64_t K,
+                              int64_t m0, int64_t p0, int64_t p1, const uint16_t *ahead,
+                              int MT) {
     __m512 acc[ROWS][2];
     for (int i = 0; i < MT; i++) {
-        acc[i][0] = p0 ? _mm512_loadu_ps(acc_rows + (m0 + i) * PANEL) : _mm512_setzero_ps();
-        acc[i][1] = p0 ? _mm512_loadu_ps(acc_rows + (m0 + i) * PANEL + 16) : _mm512_setzero_ps();
+        acc[i][0] = p0 ? _mm512_loadu_ps(sums + i * PANEL) : _mm512_setzero_ps();
+        acc[i][1] = p0 ? _mm512_loadu_ps(sums + i * PANEL + 16) : _mm512_setzero_ps();
     }
     const uint16_t *xr[ROWS];
     for (int i = 0; i < MT; i++) xr[i] = x + (m0 + i) * K;
@@ -113,15 +72,16 @@ KERNEL_INLINE void chunk_tile(const uint16_t *x, const uint16_t *panel, float *a
         }
     }
     for (int i = 0; i < MT; i++) {
-        _mm512_storeu_ps(acc_rows + (m0 + i) * PANEL, acc[i][0]);
-        _mm512_storeu_ps(acc_rows + (m0 + i) * PANEL + 16, acc[i][1]);
+        _mm512_storeu_ps(sums + i * PANEL, acc[i][0]);
+        _mm512_storeu_ps(sums + i * PANEL + 16, acc[i][1]);
     }
 }
 
-/* The partial sums of rows m0 .. m0+MT (+ the odd K's last element, + bias) into y as bf16. */
-KERNEL_INLINE void store_chunked(const uint16_t *x, const uint16_t *panel, const float *acc_rows,
-                                 const uint16_t *bias, uint16_t *y, int64_t N, int64_t K,
-                                 int64_t m0, int64_t n0, int MT) {
+/* The sums of rows m0 .. m0+MT (+ the odd K's last element, + bias) into y, rounded once to bf16
+   (to nearest even), as oneDNN does. */
+KERNEL_INLINE void store_tile(const uint16_t *x, const uint16_t *panel, const float *sums,
+                              const uint16_t *bias, uint16_t *y, int64_t N, int64_t K,
+                              int64_t m0, int64_t n0, int MT) {
     for (int h = 0; h < 2; h++) {
         const int64_t c0 = n0 + 16 * h;
         if (c0 >= N) break;
@@ -130,16 +90,24 @@ KERNEL_INLINE void store_chunked(const uint16_t *x, const uint16_t *panel, const
         if (bias)
             b = _mm512_castsi512_ps(_mm512_slli_epi32(
                 _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + c0)), 16));
-        const __m512bh w = (__m512bh)_mm512_loadu_si512(panel + K / 2 * 2 * PANEL + 16 * h * 2);
         for (int i = 0; i < MT; i++) {
-            __m512 a = _mm512_loadu_ps(acc_rows + (m0 + i) * PANEL + 16 * h);
-            if (K & 1)
-                a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_set1_epi32((int)x[(m0 + i) * K + K - 1]),
-                                     w);
+            __m512 a = _mm512_loadu_ps(sums + i * PANEL + 16 * h);
+            if (K & 1)  // the last x element pairs with zero (the packed padding is zero too)
+                a = _mm512_dpbf16_ps(
+                    a, (__m512bh)_mm512_set1_epi32((int)x[(m0 + i) * K + K - 1]),
+                    (__m512bh)_mm512_loadu_si512(panel + K / 2 * 2 * PANEL + PANEL * h));
             _mm256_mask_storeu_epi16(y + (m0 + i) * N + c0, mask,
                                      (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a, b)));
         }
     }
+}
+
+/* chunk_tile over every pair, then store_tile (the tail tiles of panel_rows) */
+KERNEL_INLINE void whole_tile(const uint16_t *x, const uint16_t *panel, float *sums,
+                              const uint16_t *bias, uint16_t *y, int64_t N, int64_t K,
+                              int64_t m0, int64_t n0, int MT) {
+    chunk_tile(x, panel, sums, K, m0, 0, K / 2, NULL, MT);
+    store_tile(x, panel, sums, bias, y, N, K, m0, n0, MT);
 }
 
 /* One panel against every row of x. Beyond one tile and up to CHUNKED_ROWS rows (decode
@@ -155,25 +123,28 @@ KERNEL_INLINE void store_chunked(const uint16_t *x, const uint16_t *panel, const
 static void panel_rows(const uint16_t *x, const uint16_t *panel, const uint16_t *bias,
                        uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t n0,
                        const uint16_t *next_panel) {
+    float sums[CHUNKED_ROWS * PANEL] __attribute__((aligned(64)));
+    const int64_t pairs = K / 2, whole = M / ROWS * ROWS;
     int64_t m = 0;
     if (CHUNKED(M, K)) {
-        float acc_rows[CHUNKED_ROWS * PANEL] __attribute__((aligned(64)));
-        const int64_t pairs = K / 2, whole = M / ROWS * ROWS;
         for (int64_t p0 = 0; p0 < pairs; p0 += CHUNK_PAIRS) {
             const int64_t p1 = p0 + CHUNK_PAIRS < pairs ? p0 + CHUNK_PAIRS : pairs;
-            chunk_tile(x, panel, acc_rows, K, 0, p0, p1,
+            chunk_tile(x, panel, sums, K, 0, p0, p1,
                        p1 < pairs ? panel + p1 * 2 * PANEL : next_panel, ROWS);
             for (m = ROWS; m < whole; m += ROWS)
-                chunk_tile(x, panel, acc_rows, K, m, p0, p1, NULL, ROWS);
-            TAIL_TILES(chunk_tile, M - whole, x, panel, acc_rows, K, whole, p0, p1, NULL)
+                chunk_tile(x, panel, sums + m * PANEL, K, m, p0, p1, NULL, ROWS);
+            TAIL_TILES(chunk_tile, M - whole, x, panel, sums + whole * PANEL, K, whole, p0, p1,
+                       NULL)
         }
         for (m = 0; m < whole; m += ROWS)
-            store_chunked(x, panel, acc_rows, bias, y, N, K, m, n0, ROWS);
-        TAIL_TILES(store_chunked, M - whole, x, panel, acc_rows, bias, y, N, K, whole, n0)
+            store_tile(x, panel, sums + m * PANEL, bias, y, N, K, m, n0, ROWS);
+        TAIL_TILES(store_tile, M - whole, x, panel, sums + whole * PANEL, bias, y, N, K, whole,
+                   n0)
         return;
     }
-    for (; m + ROWS <= M; m += ROWS) tile(x, panel, bias, y, N, K, m, n0, ROWS);
-    TAIL_TILES(tile, M - m, x, panel, bias, y, N, K, m, n0)
+    /* one row, a few, or prefill's many: each tile over the whole panel in one pass */
+    for (; m < whole; m += ROWS) whole_tile(x, panel, sums, bias, y, N, K, m, n0, ROWS);
+    TAIL_TILES(whole_tile, M - whole, x, panel, sums, bias, y, N, K, whole, n0)
 }
 
 #endif
