@@ -10,15 +10,12 @@ when the front says its channel closed (its requests are aborted then too)."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
 from replicas import core_protocol as proto
 from replicas.output_pacer import Errors, Outputs
 from replicas.request import GenerateRequest
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass

@@ -22,6 +22,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "deal.h"
 #include "dtype.h"
 #include "vec.h"
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -118,7 +119,7 @@ KERNEL_INLINE void whole_tile(const uint16_t *x, const uint16_t *panel, float *s
    same memory), bench-135m's projections, `bench linear`: 32 rows 533 -> 613-665 GFLOP/s
    (55% -> 65-68% of the vdpbf16ps peak), 16 rows 338 -> 419-462; chunks of 16 or 64 pairs were
    slower than 32, 128 no better than none. The last chunk asks for the next panel's first (the
-   thread's next panel, claimed ahead in linear_bf16): 32 rows 613 -> 688-695 GFLOP/s (70-71%),
+   thread's next panel, dealt ahead: deal.h): 32 rows 613 -> 688-695 GFLOP/s (70-71%),
    16 rows 419-443 -> 446-473, 64 rows 712-766 -> 790-798. */
 static void panel_rows(const uint16_t *x, const uint16_t *panel, const uint16_t *bias,
                        uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t n0,
@@ -160,16 +161,9 @@ int linear_bf16(const void *x, const void *w, const void *bias, void *y, int64_t
     int64_t claimed = 0;
 #pragma omp parallel num_threads(num_threads)
     if (CHUNKED(M, K)) {
-        /* panels one at a time to whichever thread is free (FOR_WHOLE_PANELS's dealing, by
-           hand): a thread claims its next panel before it does the one it has, so that the
-           last chunk can ask for the next panel's first */
-        int64_t t = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
-        while (t < panels) {
-            const int64_t after = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+        FOR_DEALT_AHEAD(t, after, panels, claimed)
             panel_rows(xs, ws + t * panel_size, bs, ys, M, N, K, t * PANEL,
                        after < panels ? ws + after * panel_size : NULL);
-            t = after;
-        }
     } else {
         FOR_WHOLE_PANELS(t, panels, M,
                          panel_rows(xs, ws + t * panel_size, bs, ys, M, N, K, t * PANEL, NULL))

@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "deal.h"
 #include "dtype.h"
 #include "exp_approx.h"
 #ifdef __AVX512F__
@@ -179,7 +180,7 @@ INLINE void prefetch_block(const void *cache, int64_t base, int dtype, int64_t e
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
 }
 
-/* The task a thread does after this one (claimed ahead, see EXPORT), whose blocks it asks
+/* The task a thread does after this one (dealt ahead: deal.h), whose blocks it asks
    for while this one's values are summed from L2: that phase and the softmax read no memory,
    and without the next task's blocks coming meanwhile the cores stalled on each task's first
    blocks (bench-135m, 32 rows x ~214 tokens, 30 layers' caches: 7.1 ms a step, 3.2 with the
@@ -428,9 +429,8 @@ INLINE int attend_dp_any(const void *q, const void *k, const void *v, const int6
 /* q, out: [B, H, D]; k_cache, v_cache: [Hkv, num_blocks * block_size, D];
    block_tables: [B, max_blocks]; context_lens: [B]. Returns nonzero if a buffer failed.
    One function per dtype, each with its own parallel region, so the dtype is a constant inside
-   the outlined loop body. (row, kv head) tasks go one at a time to whichever thread is free
-   (OpenMP's dynamic schedule, by hand): a thread claims its next task before it does the one it
-   has, so that it can ask for the next one's blocks meanwhile (`Next`). */
+   the outlined loop body. (row, kv head) tasks are dealt ahead (deal.h), so that each can ask
+   for the next one's blocks meanwhile (`Next`). */
 #define EXPORT(NAME, DTYPE)                                                                     \
     int NAME(const void *q, const void *k, const void *v, const int64_t *tables,                \
              const int64_t *lens, void *out, int64_t batch, int64_t heads, int64_t kv_heads,    \
@@ -441,9 +441,7 @@ INLINE int attend_dp_any(const void *q, const void *k, const void *v, const int6
         int failed = 0;                                                                         \
         int64_t claimed = 0;                                                                    \
         _Pragma("omp parallel num_threads(num_threads)") {                                      \
-            int64_t task = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);                   \
-            while (task < tasks) {                                                              \
-                const int64_t after = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);        \
+            FOR_DEALT_AHEAD(task, after, tasks, claimed) {                                      \
                 const int64_t b = task / kv_heads, h = task % kv_heads;                         \
                 if (DP_OK(DTYPE, block_size, head_dim)) {                                       \
                     Next next = {NULL, 0, 0};                                                   \
@@ -460,7 +458,6 @@ INLINE int attend_dp_any(const void *q, const void *k, const void *v, const int6
                                   group, head_dim, slots, block_size, scale, DTYPE)) {          \
                     failed = 1;                                                                 \
                 }                                                                               \
-                task = after;                                                                   \
             }                                                                                   \
         }                                                                                       \
         return failed;                                                                          \
