@@ -476,12 +476,19 @@ async def test_arrivals_held_for_decode_steps_get_exactly_their_tokens() -> None
                                                               ignore_eos=True))
                 for i, p in enumerate(_prompts(8, seed=5))]
         alone = [_tokens((await _collect(held, r))[0]) for r in reqs]
+        # a long request is decoding when the others arrive (not left to timing: a tiny model's
+        # 24 tokens can all be made before a staggered arrival comes)
+        long = GenerateRequest("hold-long", _prompts(1, seed=6)[0][:8],
+                               SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+        stream = held.generate(long)
+        assert _tokens(await anext(stream))
 
         async def late(i: int, r: GenerateRequest) -> dict[int, list]:
-            await asyncio.sleep(0.03 * i)  # staggered: most arrive while others decode
+            await asyncio.sleep(0.002 * i)
             return await _collect(held, r)
         together = await asyncio.gather(*(late(i, r) for i, r in enumerate(reqs)))
         assert [_tokens(t[0]) for t in together] == alone
+        assert len(_tokens([b async for bs in stream for b in bs])) > 0
         stats = await _settled(held)
         assert stats["held_steps"] > 0  # arrivals did sit decode steps out
     finally:
