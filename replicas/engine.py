@@ -155,6 +155,9 @@ class Engine:
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self.failed: str | None = None  # set when a step fails: the shards may be gone
+        # seq id -> (the sequence, its table_epoch, blocks of its table) as the model runners
+        # hold it: each step sends them only the blocks tables gained (model_runner.StepInput)
+        self._shipped: dict[int, tuple[Sequence, int, int]] = {}
 
     # ---- requests in and out -------------------------------------------------------------------
     def add(self, request: GenerateRequest, compiled: Any = None) -> None:
@@ -401,17 +404,27 @@ class Engine:
         self._errors.append((request_id, exc))
 
     def _step_input(self, scheduled: list[ScheduledSeq]) -> StepInput:
+        # a table emptied since it was sent (finished, aborted, preempted) is dropped by the
+        # runners; a preempted sequence's new table is then sent whole
+        freed = [seq_id for seq_id, (seq, epoch, _) in self._shipped.items()
+                 if seq.table_epoch != epoch]
+        for seq_id in freed:
+            del self._shipped[seq_id]
         rows = []
         for s in scheduled:
             seq = s.seq
             start = seq.num_computed_tokens
+            shipped = self._shipped.get(seq.seq_id)
+            sent = 0 if shipped is None else shipped[2]
             rows.append(RowInput(tuple(seq.token_ids[start:start + s.num_new_tokens]), start,
-                                 tuple(seq.block_table), s.samples,
+                                 tuple(seq.block_table[sent:]), s.samples,
                                  (seq.prompt_logprobs is not None
                                   and start < seq.num_prompt_tokens) or bool(seq.proposed),
                                  _encoder_slices(seq, start, start + s.num_new_tokens),
-                                 _mrope_positions(seq, start, start + s.num_new_tokens)))
-        return StepInput(tuple(rows))
+                                 _mrope_positions(seq, start, start + s.num_new_tokens),
+                                 seq.seq_id))
+            self._shipped[seq.seq_id] = (seq, seq.table_epoch, len(seq.block_table))
+        return StepInput(tuple(rows), tuple(freed))
 
     def _account(self, scheduled: list[ScheduledSeq], seconds: float, out: StepOutput) -> None:
         self.stats.encoder_items += out.encoded

@@ -144,14 +144,15 @@ class EngineCore:
                                      gpu_memory_utilization=config.gpu_memory_utilization,
                                      max_num_batched_tokens=config.max_num_batched_tokens)
         compute = compute_thread()
+        # built on the thread that will run it: one OpenMP team for all torch work (at tp > 1,
+        # rank 0's)
         if config.tensor_parallel_size == 1:
-            # built on the thread that will run it: one OpenMP team for all torch work
             executor = compute.submit(InProcessExecutor, worker_config).result()
         else:
             from replicas.ray_executor import RayExecutor  # Ray's ~36 MB only where it is used
-            executor = RayExecutor(worker_config, config.shard_num_cpus, config.shard_num_gpus,
-                                   name_prefix=spec.shard_name_prefix,
-                                   placement_group_id=spec.placement_group_id)
+            executor = compute.submit(RayExecutor, worker_config, config.shard_num_cpus,
+                                      config.shard_num_gpus, name_prefix=spec.shard_name_prefix,
+                                      placement_group_id=spec.placement_group_id).result()
         eos = eos_token_ids(path, hf_config)
         tokenizer_file = path / "tokenizer.json"
         # built once, compiled against lazily: cores that never see a constrained request never

@@ -109,4 +109,5 @@ class BlockManager:
                 # it is reallocated (evicted) first
                 self.free[block_id] = None
         seq.block_table.clear()
+        seq.table_epoch += 1
         seq.num_computed_tokens = 0

@@ -1,9 +1,12 @@
 """One step on one shard: step description -> tensors -> forward -> logits of the sampled positions.
 
-`StepInput` is what the executor sends every rank each step; it carries token ids and block tables,
-and for a multimodal model the media items whose placeholder tokens the step computes. Rank 0's
-runner returns the logits of the rows that sample (and of every prompt position for rows that
-asked for prompt logprobs).
+`StepInput` is what the executor sends every rank each step, a delta: each row's tokens to
+compute and the blocks its table gained since the runner last saw it (the whole table the first
+time), and the sequences whose tables the runner drops; for a multimodal model also the media
+items whose placeholder tokens the step computes. Each runner keeps the tables it was given
+(`tables`), so a decoding row crosses to the shards as one token and, once a block, one block id,
+never its whole table. Rank 0's runner returns the logits of the rows that sample (and of every
+prompt position for rows that asked for prompt logprobs).
 
 Media items are encoded at most once while they stay in a bounded LRU cache of encoder outputs
 (keyed by `MultiModalItem.key`): chunked prefill reads an image's rows over several steps, and
@@ -64,18 +67,22 @@ def encoder_slices(items: Sequence[MultiModalItem], start: int,
 class RowInput:
     token_ids: tuple[int, ...]  # the tokens this step computes for the row
     start: int  # position of the first of them
-    block_table: tuple[int, ...]
+    # the blocks the row's table gained since the runner last saw `seq_id` (all of it the first
+    # time); a row without a `seq_id` gives its whole table and the runner keeps nothing of it
+    blocks: tuple[int, ...]
     sample: bool  # the row's last token is new: return its logits
     all_logits: bool = False  # return logits of every computed position (prompt logprobs)
     encoder: tuple[EncoderSlice, ...] = ()  # media placeholders among this step's tokens
     # a model with M-RoPE: the step's tokens' positions, int64 numpy [3, tokens]; None: every
     # axis counts start, start + 1, ... (text)
     mrope: Any = None
+    seq_id: int | None = None
 
 
 @dataclass(frozen=True)
 class StepInput:
     rows: tuple[RowInput, ...]
+    freed: tuple[int, ...] = ()  # sequences whose tables the runner drops before this step
 
 
 @dataclass(frozen=True)
@@ -114,13 +121,29 @@ class ModelRunner:
         # On GPUs prefill keeps flash attention (varlen or per row)
         self.native_prefill = self.native_decode and kv_cache.device.type == "cpu"
         self.varlen_prefill = supports_varlen_prefill(kv_cache.dtype, kv_cache.device)
+        self.tables: dict[int, list[int]] = {}  # seq_id -> its block table, grown by each step
 
-    def _slots(self, block_table: tuple[int, ...], start: int, end: int) -> list[int]:
+    def update_tables(self, step: StepInput) -> list[Sequence[int]]:
+        """Applies the step's table deltas; each row's whole block table, in row order."""
+        for seq_id in step.freed:
+            self.tables.pop(seq_id, None)
+        out: list[Sequence[int]] = []
+        for row in step.rows:
+            if row.seq_id is None:
+                out.append(row.blocks)
+                continue
+            table = self.tables.setdefault(row.seq_id, [])
+            table.extend(row.blocks)
+            out.append(table)
+        return out
+
+    def _slots(self, block_table: Sequence[int], start: int, end: int) -> list[int]:
         # plain ints: for the one or few slots of a decode row, cheaper than building tensors
         bs = self.block_size
         return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def prepare(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def prepare(self, step: StepInput, tables: list[Sequence[int]]
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -133,46 +156,46 @@ class ModelRunner:
         prefill_index: list[int] = []
         kv_slots: list[int] = []
         cu_q, cu_k = [0], [0]
-        for row in step.rows:
+        for row, table in zip(step.rows, tables):
             n = len(row.token_ids)
             offset = len(ids)
             ids.extend(row.token_ids)
             positions.extend(range(row.start, row.start + n))
-            slot_mapping.extend(self._slots(row.block_table, row.start, row.start + n))
+            slot_mapping.extend(self._slots(table, row.start, row.start + n))
             if n == 1 or self.native_prefill:
                 decode_index.extend(range(offset, offset + n))
-                decode_tables.append(row.block_table)
+                decode_tables.append(table)
                 decode_counts.append(n)
                 decode_lens.extend(range(row.start + 1, row.start + n + 1))
             elif self.varlen_prefill:
                 prefill_index.extend(range(offset, offset + n))
                 cu_q.append(len(prefill_index))
-                kv_slots.extend(self._slots(row.block_table, 0, row.start))
+                kv_slots.extend(self._slots(table, 0, row.start))
                 kv_slots.extend(slot_mapping[-n:])
                 cu_k.append(len(kv_slots))
                 prefill.append(PrefillRow(offset, offset + n, None))
             else:
                 ctx = (None if row.start == 0
-                       else host_tensors.int64(self._slots(row.block_table, 0, row.start + n)))
+                       else host_tensors.int64(self._slots(table, 0, row.start + n)))
                 prefill.append(PrefillRow(offset, offset + n, ctx))
         fields: dict = {}  # AttentionMetadata fields beyond the slot mapping
         if decode_index:
             bs = self.block_size
             # only the blocks a row's context reaches: tables may hold blocks reserved ahead
             width = -(-max(decode_lens) // bs)
-            tables = host_tensors.padded_rows(decode_tables, width)
+            rows = host_tensors.padded_rows(decode_tables, width)
             if len(decode_tables) < len(decode_index):  # prefill tokens share their row's table
-                tables = tables.repeat_interleave(host_tensors.int64(decode_counts), dim=0)
+                rows = rows.repeat_interleave(host_tensors.int64(decode_counts), dim=0)
             lens = host_tensors.int64(decode_lens)
             fields = {"decode_token_index": host_tensors.int64(decode_index),
-                      "decode_block_tables": tables, "decode_context_lens": lens,
+                      "decode_block_tables": rows, "decode_context_lens": lens,
                       "native_decode": self.native_decode}
             if not self.native_decode:
                 kv_heads, slots = self.kv_cache.shape[2:4]
                 heads = torch.arange(kv_heads).unsqueeze(1) * (slots // bs)
-                k_buf, v_buf = self._gather_buffers(kv_heads * tables.numel() * bs
+                k_buf, v_buf = self._gather_buffers(kv_heads * rows.numel() * bs
                                                     * self.kv_cache.shape[4])
-                fields |= gather_fields(tables, lens, heads, bs, k_buf, v_buf)
+                fields |= gather_fields(rows, lens, heads, bs, k_buf, v_buf)
         if prefill_index:
             fields["prefill_varlen"] = VarlenPrefill(
                 host_tensors.int64(prefill_index), host_tensors.int64(kv_slots),
@@ -210,7 +233,7 @@ class ModelRunner:
                                           device=self.device)
         return self._workspace[0], self._workspace[1]
 
-    def _replay(self, step: StepInput) -> StepOutput | None:
+    def _replay(self, step: StepInput, tables: list[Sequence[int]]) -> StepOutput | None:
         """A decode-only step through a CUDA graph; None where the step does not fit one."""
         rows = step.rows
         if any(len(r.token_ids) != 1 or r.all_logits for r in rows):
@@ -222,8 +245,8 @@ class ModelRunner:
             return None
         logits = self.graphs.run(
             [r.token_ids[0] for r in rows], [r.start for r in rows],
-            [r.block_table[r.start // bs] * bs + r.start % bs for r in rows],
-            [r.block_table[:width] for r in rows], lens, width)
+            [t[r.start // bs] * bs + r.start % bs for r, t in zip(rows, tables)],
+            [t[:width] for t in tables], lens, width)
         sampled = [i for i, r in enumerate(rows) if r.sample]
         if len(sampled) < len(rows):
             logits = logits[sampled]
@@ -231,11 +254,12 @@ class ModelRunner:
 
     @torch.no_grad()
     def execute(self, step: StepInput) -> StepOutput:
+        tables = self.update_tables(step)
         if self.graphs is not None:
-            out = self._replay(step)
+            out = self._replay(step, tables)
             if out is not None:
                 return out
-        input_ids, positions, meta = self.prepare(step)
+        input_ids, positions, meta = self.prepare(step, tables)
         counts = (0, 0.0, 0)
         if self.multimodal and any(row.encoder for row in step.rows):
             embeds, counts = self._embeds(step)

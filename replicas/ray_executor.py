@@ -1,8 +1,12 @@
-"""Runs one step on N `ShardWorker` Ray actors placed in the replica's placement group (tp>1:
-every rank computes; rank 0 answers)."""
+"""Runs one step at tp > 1: rank 0 in the engine core's own process, ranks 1..N-1 on `ShardWorker`
+Ray actors in the replica's placement group.
+
+Rank 0 living in the core (as vLLM's driver worker did) means the logits of the sampling rows never
+cross Ray, and each step leaves the core once per peer rank as a delta (`model_runner.StepInput`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 
 import ray
@@ -23,8 +27,9 @@ def _free_port() -> int:
 
 
 class RayExecutor:
-    """Shard actors go into bundles 1..N of the replica's placement group (bundle 0 is the replica
-    itself); child actors are not captured by the group implicitly, so each is placed by index."""
+    """Rank r > 0 goes into bundle r of the replica's placement group (bundle 0 holds the replica,
+    its core and rank 0); child actors are not captured by the group implicitly, so each is placed
+    by index. Build it on the thread that will run its steps (rank 0's torch work)."""
 
     def __init__(self, config: WorkerConfig, num_cpus_per_worker: float,
                  num_gpus_per_worker: float, name_prefix: str | None = None,
@@ -36,46 +41,52 @@ class RayExecutor:
         host = ray.util.get_node_ip_address()
         dist_init = f"tcp://{host}:{_free_port()}"
         actor = ray.remote(ShardWorker)
-        self.workers = []
-        for rank in range(config.tp_size):
+        self.peers = []
+        for rank in range(1, config.tp_size):
             options: dict = {"num_cpus": num_cpus_per_worker, "num_gpus": num_gpus_per_worker}
             if name_prefix:
                 options["name"] = f"{name_prefix}-rank{rank}"
             if pg is not None:
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=rank + 1)
-            self.workers.append(actor.options(**options).remote(config, rank, dist_init))
-        ray.get([w.ping.remote() for w in self.workers])
+                    placement_group=pg, placement_group_bundle_index=rank)
+            self.peers.append(actor.options(**options).remote(config, rank, dist_init))
+        try:
+            # joins the peers' process group (their constructors are running by now)
+            self.rank0 = ShardWorker(dataclasses.replace(config, logits_on_device=True), 0,
+                                     dist_init)
+            ray.get([w.ping.remote() for w in self.peers])
+        except BaseException:
+            self.shutdown()
+            raise
 
     def execute(self, step: StepInput) -> StepOutput:
-        refs = [w.execute.remote(step) for w in self.workers]
-        # results are taken as they come, so a dead rank fails the step at once instead of
-        # leaving rank 0 waiting in a collective for its peer
-        pending = list(refs)
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=STEP_TIMEOUT_S)
-            if not ready:
-                raise TimeoutError(f"a shard worker did not finish a step in {STEP_TIMEOUT_S} s")
-            ray.get(ready[0])
-        return ray.get(refs[0])
+        refs = [w.execute.remote(step) for w in self.peers]
+        out = self.rank0.execute(step)
+        # a dead peer fails rank 0's collectives (gloo/NCCL see the connection go) or this wait
+        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=STEP_TIMEOUT_S)
+        if pending:
+            raise TimeoutError(f"a shard worker did not finish a step in {STEP_TIMEOUT_S} s")
+        ray.get(ready)
+        return out  # type: ignore[return-value]  # rank 0 always answers
 
     def shard_sizes(self) -> list[int]:
-        return ray.get([w.num_parameters.remote() for w in self.workers])
+        return [self.rank0.num_parameters(),
+                *ray.get([w.num_parameters.remote() for w in self.peers])]
 
     def weight_formats(self) -> dict[str, int]:
-        return ray.get(self.workers[0].weight_formats.remote())
+        return self.rank0.weight_formats()
 
     def cuda_graphs(self) -> bool:
-        return False  # a graph cannot hold the actors' round trips of tp > 1
+        return False  # a graph cannot hold the peers' collectives' host side
 
     def num_blocks(self) -> int:
         # each rank sized its cache from its own GPU's free memory: the block manager hands
         # out only the blocks every rank has
-        return min(ray.get([w.kv_blocks.remote() for w in self.workers]))
+        return min([self.rank0.kv_blocks(), *ray.get([w.kv_blocks.remote() for w in self.peers])])
 
     def check_health(self) -> None:
-        ray.get([w.ping.remote() for w in self.workers], timeout=30)
+        ray.get([w.ping.remote() for w in self.peers], timeout=30)
 
     def shutdown(self) -> None:
-        for w in self.workers:
+        for w in self.peers:
             ray.kill(w)

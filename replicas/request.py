@@ -182,6 +182,9 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # counts the times the block table was emptied (preempted, finished): a copy of the table
+    # made under an older count (the model runner's) is stale
+    table_epoch: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     generator: Any = None  # torch.Generator for seeded sampling

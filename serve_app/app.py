@@ -41,18 +41,21 @@ def replica_options(model: ModelConfig) -> dict[str, Any]:
         options["autoscaling_config"] = model.autoscaling_config.model_dump()
     else:
         options["num_replicas"] = model.num_replicas
+    # the replica's engine core computes rank 0 in its own process (at tp = 1 the whole model):
+    # the replica asks for rank 0's accelerator
+    replica: dict = {"num_cpus": model.replica_num_cpus, "num_gpus": model.shard_num_gpus}
+    if model.shard_resources:
+        replica["resources"] = dict(model.shard_resources)
+    options["ray_actor_options"] = replica
     if model.tensor_parallel_size > 1:
-        # bundle 0: the replica (scheduler, sampler); bundles 1..N: one shard worker each
+        # bundle 0: the replica, its core and rank 0; bundles 1..N-1: ranks 1..N-1's actors
         shard: dict[str, float] = {"CPU": model.shard_num_cpus, **model.shard_resources}
+        first: dict[str, float] = {"CPU": model.replica_num_cpus, **model.shard_resources}
         if model.shard_num_gpus:
-            shard["GPU"] = model.shard_num_gpus
-        options["placement_group_bundles"] = ([{"CPU": model.replica_num_cpus}]
-                                              + [shard] * model.tensor_parallel_size)
+            shard["GPU"] = first["GPU"] = model.shard_num_gpus
+        options["placement_group_bundles"] = ([first]
+                                              + [shard] * (model.tensor_parallel_size - 1))
         options["placement_group_strategy"] = model.placement_group_strategy
-        options["ray_actor_options"] = {"num_cpus": model.replica_num_cpus}
-    else:
-        options["ray_actor_options"] = {"num_cpus": model.replica_num_cpus,
-                                        "num_gpus": model.shard_num_gpus}
     return options
 
 

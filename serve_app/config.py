@@ -55,8 +55,9 @@ class ModelConfig(BaseModel):
     replica_num_cpus: float = Field(1.0, ge=0)
     shard_num_cpus: float = Field(0.5, ge=0)
     shard_num_gpus: float = Field(0.0, ge=0)
-    # extra resources each shard bundle asks for (e.g. {"accelerator_type:H100": 0.001}), which
-    # pins shards to the nodes that advertise them
+    # extra resources the model's ranks ask for (e.g. {"accelerator_type:H100": 0.001}): the
+    # replica (its engine core computes rank 0) and each other rank's bundle; it pins them to
+    # the nodes that advertise them
     shard_resources: dict[str, float] = Field(default_factory=dict)
     placement_group_strategy: str = Field("STRICT_PACK", pattern="^(STRICT_PACK|PACK|SPREAD|STRICT_SPREAD)$")
     # Ray Serve's own bounds on the replica deployment; None: from the engine's capacity

@@ -264,6 +264,51 @@ async def test_preemption_by_recompute_keeps_outputs_exact() -> None:
         small.close()
 
 
+async def test_shards_get_block_table_deltas_and_hold_the_engines_tables() -> None:
+    """Each step sends a row only the blocks its table gained (all of it after a preemption),
+    and drops the tables of finished, aborted and preempted sequences: after every step the
+    runner's table of each row is the engine's, and decode rows carry at most one block."""
+    small = LLMServer(ReplicaConfig(model=EMBEDDED_MODEL_ID, max_model_len=128,
+                                    kv_cache_gib=1e-9, max_num_seqs=8, block_size=16),
+                      in_process=True)
+    engine = small.core.engine
+    runner = engine.executor.worker.runner
+    execute = engine.executor.execute
+    checked = {"steps": 0, "resent": 0}
+
+    def check(step):
+        out = execute(step)
+        seqs = {q.seq_id: q for qs in engine._requests.values() for q in qs}
+        for row in step.rows:
+            assert runner.tables[row.seq_id] == seqs[row.seq_id].block_table
+            if len(row.token_ids) == 1 and row.start % 16:
+                assert row.blocks == ()  # a decode row within its last block: no block ids
+            checked["resent"] += len(row.blocks) > 1 and row.start > 0
+        assert set(runner.tables) <= set(seqs)
+        checked["steps"] += 1
+        return out
+
+    engine.executor.execute = check
+    try:
+        reqs = [GenerateRequest(f"delta{i}", p[:40] + (1,) * max(0, 40 - len(p)),
+                                SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+                                n=1 + i % 2)
+                for i, p in enumerate(_prompts(6, seed=9))]
+
+        async def abort_early(r: GenerateRequest) -> None:
+            gen = small.generate(r)
+            await gen.__anext__()
+            await gen.aclose()  # the consumer goes away: the request is aborted
+        await asyncio.gather(*(_collect(small, r) for r in reqs), abort_early(
+            GenerateRequest("delta-abort", (5,) * 30, SamplingParams(max_tokens=80))))
+        stats = await _settled(small)
+        assert stats["preemptions"] > 0 and checked["resent"] > 0 and checked["steps"] > 40
+        await _collect(small, GenerateRequest("last", (5, 6, 7), SamplingParams(max_tokens=2)))
+        assert len(runner.tables) <= 1  # only the last request's, if it is not yet dropped
+    finally:
+        small.close()
+
+
 async def test_the_replica_reports_the_message_budget_its_ingresses_apply(
         server: LLMServer, unpaced: LLMServer) -> None:
     """The replica reports the budget: unset, by where the model runs (500 messages a second on

@@ -38,7 +38,7 @@ def test_matches_the_row_by_row_path(dtype: torch.dtype, heads: int, kv_heads: i
     outs = []
     for varlen in (True, False):
         runner.varlen_prefill = varlen
-        _, _, meta = runner.prepare(step)
+        _, _, meta = runner.prepare(step, runner.update_tables(step))
         assert (meta.prefill_varlen is not None) == varlen
         cache = kv[0].clone()
         outs.append(paged_attention(q, k, v, cache[0], cache[1], meta, dim ** -0.5))

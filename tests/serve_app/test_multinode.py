@@ -1,5 +1,6 @@
-"""A simulated multi-node cluster: the replica's shard actors land on the node its placement group
-puts them on (the one advertising the resource the shard bundles ask for)."""
+"""A simulated multi-node cluster: the replica (whose engine core computes rank 0) and its other
+ranks' shard actors land on the node its placement group puts them on (the one advertising the
+resource the ranks ask for)."""
 
 from __future__ import annotations
 
@@ -44,5 +45,10 @@ def test_shards_land_on_the_node_with_their_resource(cluster) -> None:
     shards = [ray.get_actor(a["name"], namespace=a["namespace"])
               for a in ray.util.list_named_actors(all_namespaces=True)
               if a["name"].startswith("shard-")]
-    assert len(shards) == 2
+    assert len(shards) == 1  # rank 1; rank 0 runs in the replica's engine core
     assert set(ray.get([s.node_id.remote() for s in shards])) == {gpu_node_id}
+    # the replica's group: bundle 0 (the replica, its core and rank 0) asks for the resource too
+    groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
+    assert len(groups) == 1
+    assert set(groups[0]["bundles_to_node_id"].values()) == {gpu_node_id}
+    assert groups[0]["bundles"][0].get("fake_gpu") == 1
