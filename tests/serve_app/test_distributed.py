@@ -1,4 +1,5 @@
-"""Several models in one app, one of them tensor-parallel over two CPU shard actors (gloo)."""
+"""Several models in one app, one of them tensor-parallel on CPUs (gloo): rank 0 in its replica's
+engine core, rank 1 on a shard actor."""
 
 from __future__ import annotations
 
