@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import random
 import socket
 import time
 from collections.abc import Iterator
@@ -23,9 +24,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port below the kernel's ephemeral range (32768-60999) and above Ray's worker ports
+    (10002-19999): a port the kernel hands out for bind(0) is free only until some outgoing
+    connection takes it as its local port, which a Serve proxy then failed to bind (CI)."""
+    rng = random.Random()
+    while True:
+        port = rng.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 @contextlib.contextmanager
