@@ -29,30 +29,37 @@
 #define ROW_BLOCK 48 /* rows of x per block: 48 x 1536 floats is 288 KiB */
 
 /* Inside a parallel region, BODY for each panel t < PANELS, split across the team. Calls of a few
-   rows stream their weights from memory: each thread takes a contiguous half, the run the
-   prefetchers follow (panels dealt one at a time made single-stream decode steps 15-60% slower).
-   Decode batches are compute-bound: panels go one at a time to whichever thread is free, so
-   where the cores are shared (the serving path's processes, a neighbour on a VM) a preempted
-   thread holds up one panel, not a static half of the matrix that the whole team would wait for
-   at the region's end. With several row blocks (prefill) each thread keeps the same panels from
-   block to block, in its own L2. */
+   rows stream their weights from memory: panels go in STREAM_RUNS contiguous runs, each a stretch
+   the prefetchers follow (panels dealt one at a time made single-stream decode steps 15-60%
+   slower), to whichever thread is free, so a thread preempted by the serving processes holds up
+   one run rather than a static half of the matrix that the whole team waits for at the region's
+   end. Decode batches are compute-bound: their panels go one at a time. With several row blocks
+   (prefill) each thread keeps the same panels from block to block, in its own L2. */
 #define STREAM_ROWS 8
-#define DEAL_PANELS(t, PANELS, ONE_AT_A_TIME, BODY)                    \
-    if (ONE_AT_A_TIME) {                                               \
-        _Pragma("omp for schedule(dynamic, 1) nowait")                 \
-        for (int64_t t = 0; t < (PANELS); t++) BODY;                   \
-    } else {                                                           \
-        _Pragma("omp for schedule(static) nowait")                     \
-        for (int64_t t = 0; t < (PANELS); t++) BODY;                   \
+#define STREAM_RUNS 8
+#define DEAL_PANELS(t, PANELS, MODE, BODY)                                     \
+    if ((MODE) == DEAL_RUNS) {                                                 \
+        const int64_t run_ = ((PANELS) + STREAM_RUNS - 1) / STREAM_RUNS;       \
+        _Pragma("omp for schedule(dynamic, run_) nowait")                     \
+        for (int64_t t = 0; t < (PANELS); t++) BODY;                           \
+    } else if ((MODE) == DEAL_ONE) {                                           \
+        _Pragma("omp for schedule(dynamic, 1) nowait")                        \
+        for (int64_t t = 0; t < (PANELS); t++) BODY;                           \
+    } else {                                                                   \
+        _Pragma("omp for schedule(static) nowait")                            \
+        for (int64_t t = 0; t < (PANELS); t++) BODY;                           \
     }
-#define FOR_PANELS(t, PANELS, M, BODY) \
-    DEAL_PANELS(t, PANELS, (M) > STREAM_ROWS && (M) <= ROW_BLOCK, BODY)
+enum { DEAL_RUNS, DEAL_ONE, DEAL_STATIC };
+#define FOR_PANELS(t, PANELS, M, BODY)                                                          \
+    DEAL_PANELS(t, PANELS,                                                                      \
+                (M) <= STREAM_ROWS ? DEAL_RUNS : (M) <= ROW_BLOCK ? DEAL_ONE : DEAL_STATIC, BODY)
 /* The same for calls that take all of a panel's rows at once (no row blocks: nothing to keep in
    L2 from one block to the next): above STREAM_ROWS panels always go one at a time, prefill
    included, so a thread preempted by the serving processes holds up one panel rather than half
    the matrix (served prefill steps ran 1.2-1.3x the engine alone's per prompt token on 2
    cores, 1.16x after; alone it costs nothing: 971 GFLOP/s, 99% of vdpbf16ps, at 2048 rows). */
-#define FOR_WHOLE_PANELS(t, PANELS, M, BODY) DEAL_PANELS(t, PANELS, (M) > STREAM_ROWS, BODY)
+#define FOR_WHOLE_PANELS(t, PANELS, M, BODY) \
+    DEAL_PANELS(t, PANELS, (M) <= STREAM_ROWS ? DEAL_RUNS : DEAL_ONE, BODY)
 
 typedef float vf __attribute__((vector_size(VBYTES)));
 typedef uint32_t vu __attribute__((vector_size(VBYTES)));
