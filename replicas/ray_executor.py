@@ -1,8 +1,9 @@
 """Runs one step at tp > 1: rank 0 in the engine core's own process, ranks 1..N-1 on `ShardWorker`
 Ray actors in the replica's placement group.
 
-Rank 0 living in the core (as vLLM's driver worker did) means the logits of the sampling rows never
-cross Ray, and each step leaves the core once per peer rank as a delta (`model_runner.StepInput`)."""
+Rank 0 living in the core (as vLLM's driver worker did) means the logits of the sampling rows
+never cross Ray, and each step leaves the core once per peer rank, as a delta
+(`model_runner.StepInput`)."""
 
 from __future__ import annotations
 
