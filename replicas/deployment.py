@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 def _serve_context() -> tuple[str | None, dict]:
     """Names shard actors after their Serve replica, and tells a core at tp > 1 how to reach
-    Ray and the replica's placement group (its shards take bundles 1..N)."""
+    Ray and the replica's placement group (ranks 1..N-1 take bundles 1..N-1)."""
     try:
         ctx = serve.get_replica_context()
     except Exception:  # not inside a Serve replica

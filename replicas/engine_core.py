@@ -1,11 +1,12 @@
 """EngineCore: everything of a model replica that computes, in a process of its own.
 
 It owns the step loop, the scheduler, the KV cache, the sampler, the constraint guides (and their
-compiler) and the model (at tp > 1, the shard actors it drives). The replica's Serve process is a
-thin front (replicas/core_client.py): it sends requests, aborts and stop_choice messages, and fans
-the core's step messages out to the waiting `generate` calls. So the engine's per-step Python never
-shares an interpreter (a GIL) with Ray Serve's per-request and per-message work, and a core that
-dies or wedges can be killed and started again without taking the replica down.
+compiler) and the model (at tp > 1, rank 0 and the shard actors of the other ranks). The
+replica's Serve process is a thin front (replicas/core_client.py): it sends requests, aborts and
+stop_choice messages, and fans the core's step messages out to the waiting `generate` calls. So
+the engine's per-step Python never shares an interpreter (a GIL) with Ray Serve's per-request and
+per-message work, and a core that dies or wedges can be killed and started again without taking
+the replica down.
 
 `python -m replicas.engine_core --spec FILE` runs one; its command line reads
 `shardserve::EngineCore <model>` in `ps`, as vLLM's `VLLM::EngineCore`. With

@@ -1,5 +1,6 @@
-"""Runs one step on the shard workers: in-process at tp=1 (no hop); at tp>1 on Ray actors
-(`ray_executor.RayExecutor`, a module of its own so that a core at tp=1 never imports Ray)."""
+"""Runs one step on the shard workers: in-process at tp=1 (no hop); at tp>1 rank 0 in-process and
+the others on Ray actors (`ray_executor.RayExecutor`, a module of its own so that a core at tp=1
+never imports Ray)."""
 
 from __future__ import annotations
 

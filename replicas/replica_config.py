@@ -87,5 +87,6 @@ class CoreSpec:
     ray_address: str | None = None
     ray_namespace: str | None = None
     runtime_env: dict | None = None
-    placement_group_id: bytes | None = None  # the replica's group: bundles 1..N take the shards
+    # the replica's group: ranks 1..N-1 take bundles 1..N-1
+    placement_group_id: bytes | None = None
     shard_name_prefix: str | None = None

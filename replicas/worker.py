@@ -1,5 +1,6 @@
 """ShardWorker: one tensor-parallel rank: its slice of the weights, its slice of the KV cache, and
-the model runner. Runs in-process at tp=1, or as a Ray actor (one per GPU/bundle) at tp>1."""
+the model runner. Rank 0 runs in the engine core's process; at tp>1 every other rank is a Ray actor
+(one per GPU/bundle)."""
 
 from __future__ import annotations
 
