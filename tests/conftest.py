@@ -24,12 +24,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def free_port() -> int:
-    """A port below the kernel's ephemeral range (32768-60999) and above Ray's worker ports
-    (10002-19999): a port the kernel hands out for bind(0) is free only until some outgoing
-    connection takes it as its local port, which a Serve proxy then failed to bind (CI)."""
+    """A free port between Serve's direct-ingress ports (30000-31000) and Linux's ephemeral range
+    (32768+), at random: none of Ray's processes, HAProxy's own ports (serve_app/http_front.py:
+    20000-29999) or outgoing connections take one from there. A port the kernel hands out for
+    bind(0) is free only until an outgoing connection takes it, which a Serve proxy then failed
+    to bind (CI)."""
     rng = random.Random()
     while True:
-        port = rng.randrange(20000, 32768)
+        port = rng.randrange(31001, 32768)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
