@@ -50,10 +50,9 @@ def replica_options(model: ModelConfig) -> dict[str, Any]:
     if model.tensor_parallel_size > 1:
         # bundle 0: the replica, its core and rank 0; bundles 1..N-1: ranks 1..N-1's actors
         shard: dict[str, float] = {"CPU": model.shard_num_cpus, **model.shard_resources}
-        first: dict[str, float] = {"CPU": model.replica_num_cpus, **model.shard_resources}
         if model.shard_num_gpus:
-            shard["GPU"] = first["GPU"] = model.shard_num_gpus
-        options["placement_group_bundles"] = ([first]
+            shard["GPU"] = model.shard_num_gpus
+        options["placement_group_bundles"] = ([{**shard, "CPU": model.replica_num_cpus}]
                                               + [shard] * (model.tensor_parallel_size - 1))
         options["placement_group_strategy"] = model.placement_group_strategy
     return options

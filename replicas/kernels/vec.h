@@ -37,19 +37,18 @@
    (prefill) each thread keeps the same panels from block to block, in its own L2. */
 #define STREAM_ROWS 8
 #define STREAM_RUNS 8
-#define DEAL_PANELS(t, PANELS, MODE, BODY)                                     \
-    if ((MODE) == DEAL_RUNS) {                                                 \
-        const int64_t run_ = ((PANELS) + STREAM_RUNS - 1) / STREAM_RUNS;       \
-        _Pragma("omp for schedule(dynamic, run_) nowait")                     \
-        for (int64_t t = 0; t < (PANELS); t++) BODY;                           \
-    } else if ((MODE) == DEAL_ONE) {                                           \
-        _Pragma("omp for schedule(dynamic, 1) nowait")                        \
-        for (int64_t t = 0; t < (PANELS); t++) BODY;                           \
-    } else {                                                                   \
-        _Pragma("omp for schedule(static) nowait")                            \
-        for (int64_t t = 0; t < (PANELS); t++) BODY;                           \
-    }
 enum { DEAL_RUNS, DEAL_ONE, DEAL_STATIC };
+/* the dynamic modes differ only in the chunk: a run, or one panel */
+#define DEAL_PANELS(t, PANELS, MODE, BODY)                                                    \
+    if ((MODE) != DEAL_STATIC) {                                                              \
+        const int64_t run_ =                                                                  \
+            (MODE) == DEAL_RUNS ? ((PANELS) + STREAM_RUNS - 1) / STREAM_RUNS : 1;             \
+        _Pragma("omp for schedule(dynamic, run_) nowait")                                    \
+        for (int64_t t = 0; t < (PANELS); t++) BODY;                                          \
+    } else {                                                                                  \
+        _Pragma("omp for schedule(static) nowait")                                           \
+        for (int64_t t = 0; t < (PANELS); t++) BODY;                                          \
+    }
 #define FOR_PANELS(t, PANELS, M, BODY)                                                          \
     DEAL_PANELS(t, PANELS,                                                                      \
                 (M) <= STREAM_ROWS ? DEAL_RUNS : (M) <= ROW_BLOCK ? DEAL_ONE : DEAL_STATIC, BODY)
