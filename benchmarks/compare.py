@@ -364,21 +364,27 @@ _METRICS = {"shardserve:engine_steps_total": "steps",
 
 
 def _front_counters(base: str) -> dict[str, float]:
-    """CPU seconds of the replica, core and ingress processes, and the engine's steps and the
-    replica's streamed messages from /metrics (summed over models)."""
+    """CPU seconds of the replica, core and ingress processes and, by process name, of every
+    other process on the box but the client's (this session's: servers start in sessions of
+    their own): Ray's own processes, Serve's controller and proxy, HAProxy; and the engine's
+    steps and the replica's streamed messages from /metrics (summed over models)."""
     import psutil
 
     counters = {"front_cpu_s": 0.0, "core_cpu_s": 0.0, "ingress_cpu_s": 0.0,
                 **dict.fromkeys(_METRICS.values(), 0.0)}
-    for proc in psutil.process_iter(["cmdline", "cpu_times"]):
-        cmdline = " ".join(proc.info["cmdline"] or ())
+    session = os.getsid(0)
+    for proc in psutil.process_iter(["cmdline", "cpu_times", "name"]):
         times = proc.info["cpu_times"]
-        if times is None:
+        try:
+            if times is None or os.getsid(proc.pid) == session:
+                continue
+        except OSError:  # ended meanwhile
             continue
+        cmdline = " ".join(proc.info["cmdline"] or ())
         key = ("core_cpu_s" if CORE in cmdline else "front_cpu_s" if FRONT in cmdline
-               else "ingress_cpu_s" if INGRESS in cmdline else None)
-        if key:
-            counters[key] += times.user + times.system
+               else "ingress_cpu_s" if INGRESS in cmdline
+               else f"other_cpu_s:{_other_name(proc.info['name'] or '', cmdline)}")
+        counters[key] = counters.get(key, 0.0) + times.user + times.system
     for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
         key = _METRICS.get(line.split("{", 1)[0])
         if key is not None:
@@ -386,16 +392,26 @@ def _front_counters(base: str) -> dict[str, float]:
     return counters
 
 
+def _other_name(name: str, cmdline: str) -> str:
+    """A short name for a process that is not the replica, its core or an ingress: a Ray
+    actor's title (`ray::ServeController`), else its executable's name."""
+    title = cmdline.split(" ", 1)[0]
+    return title if title.startswith("ray::") else name
+
+
 def _front_costs(before: dict[str, float], after: dict[str, float],
                  output_tokens: int) -> dict[str, float]:
     """What serving cost beside the engine during the load: the front's CPU per engine step and
     per streamed message (the front also does Ray's per-request work), the core's, and the
     ingresses' per output token (detokenizing, the SSE events and their HTTP writes)."""
-    d = {k: after[k] - before[k] for k in before}
+    d = {k: after.get(k, 0.0) - before[k] for k in before}
+    others = {k.split(":", 1)[1]: v for k, v in d.items() if k.startswith("other_cpu_s:")
+              and v >= 0.05}
     # /metrics lags the board by up to a report period: the counts are a little low
     steps, messages = max(d["steps"], 1.0), max(d["messages"], 1.0)
     return {"front_cpu_s": d["front_cpu_s"], "core_cpu_s": d["core_cpu_s"],
             "ingress_cpu_s": d["ingress_cpu_s"],
+            "other_cpu_s": dict(sorted(others.items(), key=lambda kv: -kv[1])),
             "ingress_cpu_us_per_token": 1e6 * d["ingress_cpu_s"] / max(output_tokens, 1),
             "engine_steps": d["steps"], "stream_messages": d["messages"],
             "held_steps": d["held_steps"],
@@ -448,6 +464,11 @@ def front_lines(results: dict[str, list[dict[str, Any]]]) -> list[str]:
                 f"token; {_median([r['engine_steps'] for r in runs]):.0f} engine steps, "
                 f"{_median([r['held_steps'] for r in runs]):.0f} of them held for "
                 "arrivals (--max-waiting-steps)")
+            others = runs[0].get("other_cpu_s") or {}
+            if others:
+                lines.append(f"{name}: the box's other processes (first round) "
+                             f"{sum(others.values()):.1f} s: " + ", ".join(
+                                 f"{k} {v:.1f}" for k, v in list(others.items())[:6]))
     for name, runs in results.items():
         runs = [r for r in runs if r.get("client_cpu_s") and r.get("total_output_tokens")]
         if runs:

@@ -136,16 +136,18 @@ class DecodeGraphs:
 
     @torch.no_grad()
     def run(self, ids: list[int], positions: list[int], slots: list[int],
-            tables: list[tuple[int, ...]], lens: list[int],
-            width: int) -> torch.Tensor:
-        """Logits [len(ids), V] float32 on the device, for one decode token per row."""
-        n = len(ids)
+            tables: torch.Tensor, lens: list[int]) -> torch.Tensor:
+        """Logits [len(ids), V] float32 on the device, for one decode token per row; `tables`:
+        [rows, width] int64 on the host, the rows' block tables (cells past a table's end hold
+        the padding block)."""
+        n, width = tables.shape
         b = self.batch_buckets[bisect.bisect_left(self.batch_buckets, n)]
         w = self.width_buckets[bisect.bisect_left(self.width_buckets, width)]
         packed = host_tensors.int64(itertools.chain(ids, positions, slots, lens)).view(4, n).to(
             self.device, non_blocking=True)
-        rows = host_tensors.padded_rows(tables, w, self.pad_block).to(self.device,
-                                                                      non_blocking=True)
+        if w > width:
+            tables = torch.nn.functional.pad(tables, (0, w - width), value=self.pad_block)
+        rows = tables.to(self.device, non_blocking=True)
         self._fill(packed, rows, b)
         self.graphs[b, w].replay()  # every bucket was captured when the worker started
         assert self.logits is not None  # set by the first capture

@@ -9,7 +9,7 @@ replica's request handling waits for."""
 from __future__ import annotations
 
 import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import torch
 
@@ -21,15 +21,3 @@ def int64(values: Iterable[int]) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64)
     return torch.frombuffer(buf, dtype=torch.int64)
 
-
-def padded_rows(rows: Sequence[Sequence[int]], width: int, pad: int = 0) -> torch.Tensor:
-    """[len(rows), width] int64: each row's first `width` values, then `pad` to the width."""
-    buf = array.array("q")
-    for row in rows:
-        head = row[:width]
-        buf.extend(head)
-        if len(head) < width:
-            buf.extend((pad,) * (width - len(head)))
-    if not buf:
-        return torch.empty(len(rows), width, dtype=torch.int64)
-    return torch.frombuffer(buf, dtype=torch.int64).view(len(rows), width)

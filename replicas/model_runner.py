@@ -3,9 +3,10 @@
 `StepInput` is what the executor sends every rank each step, a delta: each row's tokens to
 compute and the blocks its table gained since the runner last saw it (the whole table the first
 time), and the sequences whose tables the runner drops; for a multimodal model also the media
-items whose placeholder tokens the step computes. Each runner keeps the tables it was given
-(`tables`), so a decoding row crosses to the shards as one token and, once a block, one block id,
-never its whole table. Rank 0's runner returns the logits of the rows that sample (and of every
+items whose placeholder tokens the step computes. Each runner keeps the tables it was given in
+one array between steps (`block_tables.BlockTables`), so a decoding row crosses to the shards as
+one token and, once a block, one block id, never its whole table, and a step's tensors are built
+from that array in a few array operations over all its tokens, not per row. Rank 0's runner returns the logits of the rows that sample (and of every
 prompt position for rows that asked for prompt logprobs).
 
 Media items are encoded at most once while they stay in a bounded LRU cache of encoder outputs
@@ -37,6 +38,7 @@ from replicas.attention import (
     gather_fields,
     supports_varlen_prefill,
 )
+from replicas.block_tables import BlockTables
 from replicas.cuda_graphs import DecodeGraphs
 from replicas.request import MultiModalItem
 
@@ -121,94 +123,92 @@ class ModelRunner:
         # On GPUs prefill keeps flash attention (varlen or per row)
         self.native_prefill = self.native_decode and kv_cache.device.type == "cpu"
         self.varlen_prefill = supports_varlen_prefill(kv_cache.dtype, kv_cache.device)
-        self.tables: dict[int, list[int]] = {}  # seq_id -> its block table, grown by each step
+        self.block_tables = BlockTables(pad=graphs.pad_block if graphs is not None else 0)
 
-    def update_tables(self, step: StepInput) -> list[Sequence[int]]:
-        """Applies the step's table deltas; each row's whole block table, in row order."""
-        for seq_id in step.freed:
-            self.tables.pop(seq_id, None)
-        out: list[Sequence[int]] = []
-        for row in step.rows:
-            if row.seq_id is None:
-                out.append(row.blocks)
-                continue
-            table = self.tables.setdefault(row.seq_id, [])
-            table.extend(row.blocks)
-            out.append(table)
-        return out
+    def update_tables(self, step: StepInput) -> np.ndarray:
+        """Applies the step's table deltas; the `block_tables` row of each step row, in order."""
+        return self.block_tables.apply(step.freed, [(row.seq_id, row.blocks)
+                                                    for row in step.rows])
 
-    def _slots(self, block_table: Sequence[int], start: int, end: int) -> list[int]:
-        # plain ints: for the one or few slots of a decode row, cheaper than building tensors
+    def _slots(self, table_row: int, start: int, end: int) -> np.ndarray:
+        """The cache slots of positions [start, end) of the table in `block_tables` row."""
+        p = np.arange(start, end, dtype=np.int64)
         bs = self.block_size
-        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+        return self.block_tables.array[table_row, p // bs] * bs + p % bs
 
-    def prepare(self, step: StepInput, tables: list[Sequence[int]]
+    def prepare(self, step: StepInput, table_rows: np.ndarray
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        decode_index: list[int] = []
-        decode_tables: list[tuple[int, ...]] = []  # one per row with decode-row tokens
-        decode_counts: list[int] = []  # how many decode rows use each of those tables
-        decode_lens: list[int] = []
-        prefill: list[PrefillRow] = []
-        # varlen prefill: the prefill rows' flat positions and their contexts' cache slots
-        prefill_index: list[int] = []
-        kv_slots: list[int] = []
-        cu_q, cu_k = [0], [0]
-        for row, table in zip(step.rows, tables):
-            n = len(row.token_ids)
-            offset = len(ids)
-            ids.extend(row.token_ids)
-            positions.extend(range(row.start, row.start + n))
-            slot_mapping.extend(self._slots(table, row.start, row.start + n))
-            if n == 1 or self.native_prefill:
-                decode_index.extend(range(offset, offset + n))
-                decode_tables.append(table)
-                decode_counts.append(n)
-                decode_lens.extend(range(row.start + 1, row.start + n + 1))
-            elif self.varlen_prefill:
-                prefill_index.extend(range(offset, offset + n))
-                cu_q.append(len(prefill_index))
-                kv_slots.extend(self._slots(table, 0, row.start))
-                kv_slots.extend(slot_mapping[-n:])
-                cu_k.append(len(kv_slots))
-                prefill.append(PrefillRow(offset, offset + n, None))
-            else:
-                ctx = (None if row.start == 0
-                       else host_tensors.int64(self._slots(table, 0, row.start + n)))
-                prefill.append(PrefillRow(offset, offset + n, ctx))
+        """The step's token ids, positions and attention metadata, computed for all its tokens
+        at once from the persistent tables (`table_rows`: each step row's table)."""
+        rows = step.rows
+        n_rows = len(rows)
+        counts = np.fromiter((len(r.token_ids) for r in rows), np.int64, n_rows)
+        starts = np.fromiter((r.start for r in rows), np.int64, n_rows)
+        offsets = np.cumsum(counts) - counts
+        total = int(offsets[-1] + counts[-1]) if n_rows else 0
+        if total == n_rows:  # decode only: a token a row
+            token_row, positions = np.arange(n_rows), starts
+        else:
+            token_row = np.repeat(np.arange(n_rows), counts)  # each token's step row
+            positions = np.arange(total, dtype=np.int64) + (starts - offsets)[token_row]
+        token_table = table_rows[token_row]  # each token's row of the tables
+        bs = self.block_size
+        tables = self.block_tables.array
+        slot_mapping = tables[token_table, positions // bs] * bs + positions % bs
+        # decode rows (one token), and on CPUs every prefill token too (`native_prefill`), are
+        # attended as decode tokens; on GPUs prefill rows keep flash attention (varlen or per row)
+        decode_row = (np.ones(n_rows, dtype=bool) if self.native_prefill else counts == 1)
         fields: dict = {}  # AttentionMetadata fields beyond the slot mapping
-        if decode_index:
-            bs = self.block_size
+        decode_index = (np.arange(total, dtype=np.int64) if self.native_prefill
+                        else np.flatnonzero(decode_row[token_row]))
+        if decode_index.size:
+            lens = positions[decode_index] + 1
             # only the blocks a row's context reaches: tables may hold blocks reserved ahead
-            width = -(-max(decode_lens) // bs)
-            rows = host_tensors.padded_rows(decode_tables, width)
-            if len(decode_tables) < len(decode_index):  # prefill tokens share their row's table
-                rows = rows.repeat_interleave(host_tensors.int64(decode_counts), dim=0)
-            lens = host_tensors.int64(decode_lens)
-            fields = {"decode_token_index": host_tensors.int64(decode_index),
-                      "decode_block_tables": rows, "decode_context_lens": lens,
+            width = -(-int(lens.max()) // bs)
+            block_rows = torch.from_numpy(tables[token_table[decode_index], :width])
+            lens_t = torch.from_numpy(lens)
+            fields = {"decode_token_index": torch.from_numpy(decode_index),
+                      "decode_block_tables": block_rows, "decode_context_lens": lens_t,
                       "native_decode": self.native_decode}
             if not self.native_decode:
                 kv_heads, slots = self.kv_cache.shape[2:4]
                 heads = torch.arange(kv_heads).unsqueeze(1) * (slots // bs)
-                k_buf, v_buf = self._gather_buffers(kv_heads * rows.numel() * bs
+                k_buf, v_buf = self._gather_buffers(kv_heads * block_rows.numel() * bs
                                                     * self.kv_cache.shape[4])
-                fields |= gather_fields(rows, lens, heads, bs, k_buf, v_buf)
+                fields |= gather_fields(block_rows, lens_t, heads, bs, k_buf, v_buf)
+        prefill: list[PrefillRow] = []
+        # varlen prefill: the prefill rows' flat positions and their contexts' cache slots
+        prefill_index: list[np.ndarray] = []
+        kv_slots: list[np.ndarray] = []
+        cu_q, cu_k = [0], [0]
+        for i in np.flatnonzero(~decode_row).tolist():
+            offset, n, start = int(offsets[i]), int(counts[i]), int(starts[i])
+            if self.varlen_prefill:
+                prefill_index.append(np.arange(offset, offset + n, dtype=np.int64))
+                kv_slots += [self._slots(int(table_rows[i]), 0, start),
+                             slot_mapping[offset:offset + n]]
+                cu_q.append(cu_q[-1] + n)
+                cu_k.append(cu_k[-1] + start + n)
+                prefill.append(PrefillRow(offset, offset + n, None))
+            else:
+                ctx = (None if start == 0
+                       else torch.from_numpy(self._slots(int(table_rows[i]), 0, start + n)))
+                prefill.append(PrefillRow(offset, offset + n, ctx))
         if prefill_index:
             fields["prefill_varlen"] = VarlenPrefill(
-                host_tensors.int64(prefill_index), host_tensors.int64(kv_slots),
+                torch.from_numpy(np.concatenate(prefill_index)),
+                torch.from_numpy(np.concatenate(kv_slots)),
                 torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32),
                 max(b - a for a, b in itertools.pairwise(cu_q)),
                 max(b - a for a, b in itertools.pairwise(cu_k)))
-        meta = AttentionMetadata(host_tensors.int64(slot_mapping), tuple(prefill), self.block_size,
+        meta = AttentionMetadata(torch.from_numpy(slot_mapping), tuple(prefill), self.block_size,
                                  **fields)
         if self.device.type != "cpu":
             meta = _to_device(meta, self.device)
         pos = (self._mrope_positions(step) if self.uses_mrope
-               else host_tensors.int64(positions))
-        return host_tensors.int64(ids).to(self.device), pos.to(self.device), meta
+               else torch.from_numpy(positions))
+        ids = host_tensors.int64(itertools.chain.from_iterable(r.token_ids for r in rows))
+        return ids.to(self.device), pos.to(self.device), meta
 
     @staticmethod
     def _mrope_positions(step: StepInput) -> torch.Tensor:
@@ -233,20 +233,20 @@ class ModelRunner:
                                           device=self.device)
         return self._workspace[0], self._workspace[1]
 
-    def _replay(self, step: StepInput, tables: list[Sequence[int]]) -> StepOutput | None:
+    def _replay(self, step: StepInput, table_rows: np.ndarray) -> StepOutput | None:
         """A decode-only step through a CUDA graph; None where the step does not fit one."""
         rows = step.rows
         if any(len(r.token_ids) != 1 or r.all_logits for r in rows):
             return None
         bs = self.block_size
-        lens = [r.start + 1 for r in rows]
-        width = max(-(-n // bs) for n in lens)
+        starts = np.fromiter((r.start for r in rows), np.int64, len(rows))
+        width = -(-(int(starts.max()) + 1) // bs)
         if not self.graphs.fits(len(rows), width):
             return None
-        logits = self.graphs.run(
-            [r.token_ids[0] for r in rows], [r.start for r in rows],
-            [t[r.start // bs] * bs + r.start % bs for r, t in zip(rows, tables)],
-            [t[:width] for t in tables], lens, width)
+        tables = self.block_tables.array[table_rows, :width]
+        slots = tables[np.arange(len(rows)), starts // bs] * bs + starts % bs
+        logits = self.graphs.run([r.token_ids[0] for r in rows], starts.tolist(), slots.tolist(),
+                                 torch.from_numpy(tables), (starts + 1).tolist())
         sampled = [i for i, r in enumerate(rows) if r.sample]
         if len(sampled) < len(rows):
             logits = logits[sampled]
@@ -254,12 +254,12 @@ class ModelRunner:
 
     @torch.no_grad()
     def execute(self, step: StepInput) -> StepOutput:
-        tables = self.update_tables(step)
+        table_rows = self.update_tables(step)
         if self.graphs is not None:
-            out = self._replay(step, tables)
+            out = self._replay(step, table_rows)
             if out is not None:
                 return out
-        input_ids, positions, meta = self.prepare(step, tables)
+        input_ids, positions, meta = self.prepare(step, table_rows)
         counts = (0, 0.0, 0)
         if self.multimodal and any(row.encoder for row in step.rows):
             embeds, counts = self._embeds(step)

@@ -280,11 +280,11 @@ async def test_shards_get_block_table_deltas_and_hold_the_engines_tables() -> No
         out = execute(step)
         seqs = {q.seq_id: q for qs in engine._requests.values() for q in qs}
         for row in step.rows:
-            assert runner.tables[row.seq_id] == seqs[row.seq_id].block_table
+            assert runner.block_tables.table(row.seq_id) == seqs[row.seq_id].block_table
             if len(row.token_ids) == 1 and row.start % 16:
                 assert row.blocks == ()  # a decode row within its last block: no block ids
             checked["resent"] += len(row.blocks) > 1 and row.start > 0
-        assert set(runner.tables) <= set(seqs)
+        assert set(runner.block_tables.row_of) <= set(seqs)
         checked["steps"] += 1
         return out
 
@@ -304,7 +304,7 @@ async def test_shards_get_block_table_deltas_and_hold_the_engines_tables() -> No
         stats = await _settled(small)
         assert stats["preemptions"] > 0 and checked["resent"] > 0 and checked["steps"] > 40
         await _collect(small, GenerateRequest("last", (5, 6, 7), SamplingParams(max_tokens=2)))
-        assert len(runner.tables) <= 1  # only the last request's, if it is not yet dropped
+        assert len(runner.block_tables) <= 1  # only the last request's, if it is not yet dropped
     finally:
         small.close()
 

@@ -22,9 +22,3 @@ def test_int64_tensors_do_not_share_their_source() -> None:
     values[0] = 9
     assert out.tolist() == [1, 2, 3]
 
-
-def test_padded_rows_cut_and_pad_to_the_width() -> None:
-    out = host_tensors.padded_rows([(1, 2, 3, 4), (5,), ()], 3, pad=-7)
-    assert torch.equal(out, torch.tensor([[1, 2, 3], [5, -7, -7], [-7, -7, -7]]))
-    assert host_tensors.padded_rows([], 4).shape == (0, 4)
-    assert host_tensors.padded_rows([(1,), (2,)], 0).shape == (2, 0)
