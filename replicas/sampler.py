@@ -2,9 +2,9 @@
 
 Order, as in vLLM: logprobs of the raw logits; then constraint bitmasks, allowed-token masks, bad
 words, min-tokens EOS bans, logit bias, repetition/presence/frequency penalties, temperature,
-min-p, top-k, top-p; then one exponential race (argmax of p / q with q ~ Exp(1)) draws every row
-at once. Seeded rows draw their q from their own generator, so a seed gives the same tokens
-whatever else shares the batch.
+min-p, top-k, top-p; then one inverse-transform draw (a uniform a row against the running sum of
+its probabilities) draws every row at once. Seeded rows draw their uniform from their own
+generator, so a seed gives the same tokens whatever else shares the batch.
 
 A request's lists (allowed_token_ids, logit_bias, bad words, stop_token_ids) become tensors once,
 on its sequence's first step (`RowTables`), so a step costs a few tensor operations per row that
@@ -274,24 +274,18 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int],
     if any(s.params.needs_penalties for s in seqs):
         apply_penalties(logits, seqs)
 
-    dev = logits.device
-    tokens = logits.argmax(-1)
-    if not all(s.params.greedy for s in seqs):
-        greedy = torch.tensor([s.params.greedy for s in seqs], device=dev)
-        temps = torch.tensor([s.params.temperature if not s.params.greedy else 1.0 for s in seqs],
+    greedy = [s.params.greedy for s in seqs]
+    if all(greedy):
+        tokens = logits.argmax(-1)
+    else:
+        dev = logits.device
+        best = logits.argmax(-1) if any(greedy) else None
+        temps = torch.tensor([1.0 if g else s.params.temperature for s, g in zip(seqs, greedy)],
                              device=dev)
-        scaled = top_k_top_p_min_p(logits / temps.unsqueeze(1), seqs)
-        probs = scaled.softmax(-1)
-        # q ~ Exp(1) as -log(U): several times faster on CPU than Tensor.exponential_
-        q = torch.rand_like(probs)
-        for i, s in enumerate(seqs):
-            if s.generator is not None and not s.params.greedy:
-                # a seeded row draws on the host from its own generator: the same seed gives
-                # the same draw whatever else shares the batch, on any device
-                q[i] = torch.rand(q.shape[1], generator=s.generator).to(dev)
-        q = q.log_().neg_()
-        sampled = (probs / q).argmax(-1)
-        tokens = torch.where(greedy, tokens, sampled)
+        scaled = top_k_top_p_min_p(logits.div_(temps.unsqueeze(1)), seqs)
+        tokens = _draw(scaled.softmax(-1), seqs, greedy)
+        if best is not None:
+            tokens = torch.where(torch.tensor(greedy, device=dev), best, tokens)
 
     logprobs: list[TokenLogprob | None] = [None] * len(seqs)
     if raw_logprobs is not None:
@@ -301,6 +295,23 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int],
         for i, lp in zip(rows, computed):
             logprobs[i] = lp
     return SamplerOutput(tokens.tolist(), logprobs, masked_out - failed.keys(), failed)
+
+
+def _draw(probs: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
+    """One token a row by inverse transform: the first token whose running sum of
+    probabilities passes u times the row's total, u ~ U[0, 1) drawn once a row (a seeded row
+    from its own generator, on the host, so a seed gives the same token whatever shares the
+    batch). A token of probability 0 is never drawn: the running sum does not pass anything at
+    it. One random a row where the exponential race drew one per vocabulary entry: at 32 rows
+    of a 49,152-token vocabulary its 1.6M uniforms, logs, divisions and argmax were 16 ms a
+    step on a CPU."""
+    u = torch.rand(len(seqs), 1, device=probs.device)
+    for i, s in enumerate(seqs):
+        if s.generator is not None and not greedy[i]:
+            u[i] = torch.rand(1, generator=s.generator).to(probs.device)
+    cdf = probs.cumsum_(-1)
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1).clamp_(
+        max=probs.shape[1] - 1)
 
 
 def _run_processors(logits: torch.Tensor, i: int, s: Sequence, failed: dict[int, str]) -> None:
