@@ -34,6 +34,7 @@ from replicas.model_runner import (EncoderSlice, RowInput, StepInput, StepOutput
 from replicas.request import (RETRY_AFTER_S, EngineError, GenerateRequest, Sequence,
                               SequenceStatus, TokenBatch, TokenLogprob)
 from replicas.sampler import SamplerOutput, compute_logprobs, sample
+from replicas.sampling_batch import SamplingBatch
 from replicas.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -158,6 +159,8 @@ class Engine:
         # seq id -> (the sequence, its table_epoch, blocks of its table) as the model runners
         # hold it: each step sends them only the blocks tables gained (model_runner.StepInput)
         self._shipped: dict[int, tuple[Sequence, int, int]] = {}
+        # the sampling rows' parameters as tensors, kept between steps (compute thread only)
+        self.sampling_batch = SamplingBatch()
 
     # ---- requests in and out -------------------------------------------------------------------
     def add(self, request: GenerateRequest, compiled: Any = None) -> None:
@@ -452,7 +455,8 @@ class Engine:
         if bitmask is not None:
             words, rows = bitmask
             apply = lambda logits: bitmask_lib.apply_bitmask(logits, words, rows)  # noqa: E731
-        return out, sample(out.logits, sampling, self.eos_ids, apply)
+        batch = self.sampling_batch.params(sampling, out.logits.shape[1], out.logits.device)
+        return out, sample(out.logits, sampling, self.eos_ids, apply, batch)
 
     def _fill_masks(self, sampling: list[Sequence]) -> tuple[torch.Tensor, list[int]] | None:
         """A guide that fails here fails its own request (`_row_errors`), not the step."""

@@ -22,6 +22,7 @@ import torch
 
 from replicas.host_tensors import int64
 from replicas.request import SamplingParams, Sequence, TokenLogprob
+from replicas.sampling_batch import BatchParams
 
 _NEG_INF = float("-inf")
 
@@ -49,26 +50,26 @@ def _token_counts(rows: list[list[int]], vocab: int, device: torch.device) -> to
     return counts[:, :vocab]
 
 
-def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence],
+                    batch: BatchParams | None = None) -> None:
     vocab, dev = logits.shape[1], logits.device
-    if any(s.params.repetition_penalty != 1.0 for s in seqs):
+    batch = batch or BatchParams.of_seqs(seqs, vocab, dev)
+    if batch.repetition is not None:
         # only the logits of tokens seen (prompt and output) change: gathered, scaled and
         # scattered back rather than a pass over every row's whole vocabulary (a model's
         # default penalty applies to every request; duplicates write the same value)
-        repetition = torch.tensor([s.params.repetition_penalty for s in seqs],
-                                  device=dev).unsqueeze(1)
+        repetition = batch.repetition.unsqueeze(1)
         rows = [list(s.token_ids) for s in seqs]
         width = max(len(r) for r in rows)
         ids = torch.tensor([r + r[:1] * (width - len(r)) for r in rows], device=dev)
         seen = logits.gather(1, ids)
         logits.scatter_(1, ids, torch.where(seen > 0, seen / repetition, seen * repetition))
-    if any(s.params.presence_penalty or s.params.frequency_penalty for s in seqs):
+    if batch.presence is not None or batch.frequency is not None:
         out_counts = _token_counts([list(s.output_token_ids) for s in seqs], vocab, dev)
-        presence = torch.tensor([s.params.presence_penalty for s in seqs],
-                                device=dev).unsqueeze(1)
-        frequency = torch.tensor([s.params.frequency_penalty for s in seqs],
-                                 device=dev).unsqueeze(1)
-        logits -= frequency * out_counts + presence * (out_counts > 0)
+        if batch.frequency is not None:
+            logits -= batch.frequency.unsqueeze(1) * out_counts
+        if batch.presence is not None:
+            logits -= batch.presence.unsqueeze(1) * (out_counts > 0)
 
 
 class BadWordPrefixes:
@@ -181,14 +182,14 @@ def _request_lists(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozense
         logits[rows, cols] = _NEG_INF
 
 
-def top_k_top_p_min_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def top_k_top_p_min_p(logits: torch.Tensor, seqs: list[Sequence],
+                      batch: BatchParams | None = None) -> torch.Tensor:
     vocab, dev = logits.shape[1], logits.device
-    k = [s.params.top_k if 0 < s.params.top_k < vocab else vocab for s in seqs]
-    p = [s.params.top_p for s in seqs]
-    if any(s.params.min_p > 0 for s in seqs):
-        min_p = torch.tensor([s.params.min_p for s in seqs], device=dev)
+    batch = batch or BatchParams.of_seqs(seqs, vocab, dev)
+    k, p = batch.top_k, batch.top_p
+    if batch.min_p is not None:
         probs = logits.softmax(-1)
-        threshold = probs.max(-1, keepdim=True).values * min_p.unsqueeze(1)
+        threshold = probs.max(-1, keepdim=True).values * batch.min_p.unsqueeze(1)
         logits = logits.masked_fill(probs < threshold, _NEG_INF)
     rows = [i for i in range(len(seqs)) if k[i] < vocab or p[i] < 1.0]
     if rows:
@@ -252,9 +253,11 @@ def compute_logprobs(raw_logprobs: torch.Tensor, token_ids: torch.Tensor,
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int],
-           bitmask_fn=None) -> SamplerOutput:
+           bitmask_fn=None, batch: BatchParams | None = None) -> SamplerOutput:
     """logits: [B, V] float32 for the rows in `seqs` (in that order); modified in place.
-    `bitmask_fn(logits)` applies constraint masks when any row is constrained."""
+    `bitmask_fn(logits)` applies constraint masks when any row is constrained; `batch`: the
+    rows' parameters as tensors (`SamplingBatch.params`), else built here."""
+    batch = batch or BatchParams.of_seqs(seqs, logits.shape[1], logits.device)
     want_logprobs = [s.params.logprobs is not None for s in seqs]
     raw_logprobs = logits.log_softmax(-1) if any(want_logprobs) else None
     if bitmask_fn is not None:
@@ -271,21 +274,19 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int],
         dead = torch.isneginf(logits).all(-1)
         if bool(dead.any()):
             masked_out = frozenset(dead.nonzero().flatten().tolist())
-    if any(s.params.needs_penalties for s in seqs):
-        apply_penalties(logits, seqs)
+    if (batch.repetition is not None or batch.presence is not None
+            or batch.frequency is not None):
+        apply_penalties(logits, seqs, batch)
 
-    greedy = [s.params.greedy for s in seqs]
-    if all(greedy):
+    greedy = batch.greedy
+    if batch.all_greedy:
         tokens = logits.argmax(-1)
     else:
-        dev = logits.device
         best = logits.argmax(-1) if any(greedy) else None
-        temps = torch.tensor([1.0 if g else s.params.temperature for s, g in zip(seqs, greedy)],
-                             device=dev)
-        scaled = top_k_top_p_min_p(logits.div_(temps.unsqueeze(1)), seqs)
+        scaled = top_k_top_p_min_p(logits.div_(batch.temperature.unsqueeze(1)), seqs, batch)
         tokens = _draw(scaled.softmax(-1), seqs, greedy)
         if best is not None:
-            tokens = torch.where(torch.tensor(greedy, device=dev), best, tokens)
+            tokens = torch.where(torch.tensor(greedy, device=logits.device), best, tokens)
 
     logprobs: list[TokenLogprob | None] = [None] * len(seqs)
     if raw_logprobs is not None:
@@ -297,7 +298,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int],
     return SamplerOutput(tokens.tolist(), logprobs, masked_out - failed.keys(), failed)
 
 
-def _draw(probs: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
+def _draw(probs: torch.Tensor, seqs: list[Sequence], greedy: tuple[bool, ...]) -> torch.Tensor:
     """One token a row by inverse transform: the first token whose running sum of
     probabilities passes u times the row's total, u ~ U[0, 1) drawn once a row (a seeded row
     from its own generator, on the host, so a seed gives the same token whatever shares the
