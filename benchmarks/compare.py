@@ -395,8 +395,13 @@ def _front_counters(base: str) -> dict[str, float]:
 def _other_name(name: str, cmdline: str) -> str:
     """A short name for a process that is not the replica, its core or an ingress: a Ray
     actor's title (`ray::ServeController`), else its executable's name."""
-    title = cmdline.split(" ", 1)[0]
-    return title if title.startswith("ray::") else name
+    words = cmdline.split()
+    if words and words[0].startswith("ray::"):
+        return words[0]
+    if name.startswith("python") and len(words) > 1:  # the script's name or `-m`'s module
+        script = words[2] if words[1] == "-m" and len(words) > 2 else words[1]
+        return f"{name} {os.path.basename(script)}"
+    return name
 
 
 def _front_costs(before: dict[str, float], after: dict[str, float],

@@ -2,8 +2,8 @@
 
 Order, as in vLLM: logprobs of the raw logits; then constraint bitmasks, allowed-token masks, bad
 words, min-tokens EOS bans, logit bias, repetition/presence/frequency penalties, temperature,
-min-p, top-k, top-p; then one inverse-transform draw (a uniform a row against the running sum of
-its probabilities) draws every row at once. Seeded rows draw their uniform from their own
+min-p; then one inverse-transform draw (a uniform a row against the running sum of its
+probabilities) draws every row at once, top-k and top-p by rejection. Seeded rows draw their uniform from their own
 generator, so a seed gives the same tokens whatever else shares the batch.
 
 A request's lists (allowed_token_ids, logit_bias, bad words, stop_token_ids) become tensors once,
@@ -182,19 +182,26 @@ def _request_lists(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozense
         logits[rows, cols] = _NEG_INF
 
 
+def _min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    probs = logits.softmax(-1)
+    threshold = probs.max(-1, keepdim=True).values * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, _NEG_INF)
+
+
 def top_k_top_p_min_p(logits: torch.Tensor, seqs: list[Sequence],
                       batch: BatchParams | None = None) -> torch.Tensor:
+    """The logits with every token outside each row's min-p, top-k and top-p sets at -inf (for
+    a draft's probabilities, replicas/prediction.py; the sampler draws from those sets without
+    building them, `_draw_truncated`)."""
     vocab, dev = logits.shape[1], logits.device
     batch = batch or BatchParams.of_seqs(seqs, vocab, dev)
     k, p = batch.top_k, batch.top_p
     if batch.min_p is not None:
-        probs = logits.softmax(-1)
-        threshold = probs.max(-1, keepdim=True).values * batch.min_p.unsqueeze(1)
-        logits = logits.masked_fill(probs < threshold, _NEG_INF)
+        logits = _min_p(logits, batch.min_p)
     rows = [i for i in range(len(seqs)) if k[i] < vocab or p[i] < 1.0]
     if rows:
         part = logits[rows] if len(rows) < len(seqs) else logits
-        part = _truncate(part, [k[i] for i in rows], [p[i] for i in rows])
+        part, _ = _truncate(part, [k[i] for i in rows], [p[i] for i in rows])
         if len(rows) < len(seqs):
             logits = logits.clone()
             logits[rows] = part
@@ -206,12 +213,15 @@ def top_k_top_p_min_p(logits: torch.Tensor, seqs: list[Sequence],
 FIRST_CANDIDATES = 64
 
 
-def _truncate(logits: torch.Tensor, k: list[int], p: list[float]) -> torch.Tensor:
+def _truncate(logits: torch.Tensor, k: list[int], p: list[float], widen: bool = True
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each row's logits outside its top_k and top_p set to -inf (top_p over the whole row's
     probabilities, keeping at least one token), as a full descending sort would, but over the
     row's largest logits only: a window of the largest top_k or 64, widened 4x while some row's
     top_p mass is not yet reached inside it. Sorting 49,152 logits a row cost ~1 ms a row a
-    step on CPUs; sampled text puts its top_p mass in a few dozen tokens."""
+    step on CPUs; sampled text puts its top_p mass in a few dozen tokens. With `widen` False
+    the first window is all there is, and the second value marks the rows whose set reaches
+    past it (their first value's row is not their set); else it is None."""
     vocab, dev = logits.shape[1], logits.device
     top_k = torch.tensor(k, device=dev).clamp(min=1).unsqueeze(1)
     top_p = torch.tensor(p, device=dev).unsqueeze(1)
@@ -224,12 +234,13 @@ def _truncate(logits: torch.Tensor, k: list[int], p: list[float]) -> torch.Tenso
         ranks = torch.arange(width, device=dev).unsqueeze(0)
         # drop a token when the tokens ranked above it already reach top_p
         cut = (ranks >= top_k) | ((probs.cumsum(-1) - probs) >= top_p)
-        # every row's last candidate is cut: nothing past the window survives either
-        if width == vocab or bool(cut[:, -1].all()):
+        # a row whose last candidate is cut: nothing past the window survives either
+        reached = cut[:, -1]
+        if width == vocab or bool(reached.all()) or not widen:
             break
         width = min(vocab, width * 4)
-    out = torch.full_like(logits, _NEG_INF)
-    return out.scatter_(1, order, values.masked_fill(cut, _NEG_INF))
+    out = torch.full_like(logits, _NEG_INF).scatter_(1, order, values.masked_fill(cut, _NEG_INF))
+    return out, (None if widen or width == vocab or bool(reached.all()) else ~reached)
 
 
 def compute_logprobs(raw_logprobs: torch.Tensor, token_ids: torch.Tensor,
@@ -283,8 +294,10 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int],
         tokens = logits.argmax(-1)
     else:
         best = logits.argmax(-1) if any(greedy) else None
-        scaled = top_k_top_p_min_p(logits.div_(batch.temperature.unsqueeze(1)), seqs, batch)
-        tokens = _draw(scaled.softmax(-1), seqs, greedy)
+        scaled = logits.div_(batch.temperature.unsqueeze(1))
+        if batch.min_p is not None:
+            scaled = _min_p(scaled, batch.min_p)
+        tokens = _draw(scaled, seqs, batch)
         if best is not None:
             tokens = torch.where(torch.tensor(greedy, device=logits.device), best, tokens)
 
@@ -298,21 +311,101 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int],
     return SamplerOutput(tokens.tolist(), logprobs, masked_out - failed.keys(), failed)
 
 
-def _draw(probs: torch.Tensor, seqs: list[Sequence], greedy: tuple[bool, ...]) -> torch.Tensor:
-    """One token a row by inverse transform: the first token whose running sum of
-    probabilities passes u times the row's total, u ~ U[0, 1) drawn once a row (a seeded row
-    from its own generator, on the host, so a seed gives the same token whatever shares the
-    batch). A token of probability 0 is never drawn: the running sum does not pass anything at
-    it. One random a row where the exponential race drew one per vocabulary entry: at 32 rows
-    of a 49,152-token vocabulary its 1.6M uniforms, logs, divisions and argmax were 16 ms a
-    step on a CPU."""
-    u = torch.rand(len(seqs), 1, device=probs.device)
-    for i, s in enumerate(seqs):
-        if s.generator is not None and not greedy[i]:
-            u[i] = torch.rand(1, generator=s.generator).to(probs.device)
+class _Uniforms:
+    """u ~ U[0, 1) for given rows of the step: a seeded row's from its own generator, on the
+    host, so a seed gives the same tokens whatever shares the batch; the others' from torch's."""
+
+    def __init__(self, seqs: list[Sequence], greedy: tuple[bool, ...],
+                 device: torch.device) -> None:
+        self.seeded = {i: s.generator for i, s in enumerate(seqs)
+                       if s.generator is not None and not greedy[i]}
+        self.device = device
+
+    def __call__(self, rows: list[int]) -> torch.Tensor:
+        u = torch.rand(len(rows), 1, device=self.device)
+        if self.seeded:
+            for j, i in enumerate(rows):
+                generator = self.seeded.get(i)
+                if generator is not None:
+                    u[j] = torch.rand(1, generator=generator).to(self.device)
+        return u
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Each row's first token whose running sum of probabilities passes u times the row's total
+    (`probs` is overwritten). A token of probability 0 is never drawn: the running sum does not
+    pass anything at it."""
     cdf = probs.cumsum_(-1)
     return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1).clamp_(
         max=probs.shape[1] - 1)
+
+
+# a row still outside its top-k / top-p set after this many draws has its set built exactly
+MAX_REJECTIONS = 16
+
+
+def _draw(logits: torch.Tensor, seqs: list[Sequence], batch: BatchParams) -> torch.Tensor:
+    """One token a row by inverse transform, one uniform a row, where the exponential race drew
+    one random per vocabulary entry (at 32 rows of a 49,152-token vocabulary its 1.6M uniforms,
+    logs, divisions and argmax were 16 ms a step on a CPU). Rows with top-k or top-p draw from
+    their sets: cut in the first window of their largest logits (`_truncate`) where the set
+    lies inside it, else by rejection (`_draw_truncated`); the window widened to the whole row
+    (a sort) took 7-100 ms a step for 32 rows whose top_p mass spreads wide."""
+    vocab, rows = logits.shape[1], list(range(len(seqs)))
+    uniforms = _Uniforms(seqs, batch.greedy, logits.device)
+    truncated = [i for i in rows if not batch.greedy[i]
+                 and (batch.top_k[i] < vocab or batch.top_p[i] < 1.0)]
+    wide: list[int] = []
+    if truncated:
+        every = len(truncated) == len(rows)
+        part = logits if every else logits[truncated]
+        cut, open_rows = _truncate(part, [batch.top_k[i] for i in truncated],
+                                   [batch.top_p[i] for i in truncated], widen=False)
+        if every:
+            logits = cut
+        else:
+            logits[truncated] = cut
+        if open_rows is not None:
+            wide = [truncated[j] for j in open_rows.nonzero().flatten().tolist()]
+            wide_probs = part[open_rows].softmax(-1)
+    tokens = _inverse_cdf(logits.softmax(-1), uniforms(rows))
+    if wide:
+        tokens[wide] = _draw_truncated(wide_probs, wide, batch, uniforms)
+    return tokens
+
+
+def _draw_truncated(probs: torch.Tensor, rows: list[int], batch: BatchParams,
+                    uniforms: _Uniforms) -> torch.Tensor:
+    """Draws from each row's top-k and top-p set without building it: a drawn token is kept
+    when fewer than top_k tokens, holding less than top_p of the probability, are more likely
+    than it; otherwise it and every token no more likely leave the row (none of them can be in
+    the set) and the row draws again from what is left. That is rejection sampling, so the
+    kept token follows the row's probabilities renormalised over its set, as a sort would
+    give; a draw lands in the set with at least top_p's probability, and each miss drops the
+    tail below it. Ties at the set's boundary are kept."""
+    dev = probs.device
+    top_k = torch.tensor([batch.top_k[i] for i in rows], device=dev)
+    top_p = torch.tensor([batch.top_p[i] for i in rows], device=dev)
+    original = probs.clone()
+    tokens = _inverse_cdf(probs.clone(), uniforms(rows))
+    pending = torch.arange(len(rows), device=dev)
+    for _ in range(MAX_REJECTIONS):
+        part = probs[pending]
+        drawn = part.gather(1, tokens[pending].unsqueeze(1))
+        above = part > drawn
+        ok = ((above.sum(-1) < top_k[pending]) & ((part * above).sum(-1) < top_p[pending])
+              | ~above.any(-1))  # the most likely token is always in the set
+        pending = pending[~ok]
+        if not pending.numel():
+            return tokens
+        part = part[~ok].masked_fill_(part[~ok] <= drawn[~ok], 0.0)
+        probs[pending] = part
+        tokens[pending] = _inverse_cdf(part, uniforms([rows[i] for i in pending.tolist()]))
+    left = pending.tolist()
+    logits, _ = _truncate(original[pending].log(), [batch.top_k[rows[i]] for i in left],
+                          [batch.top_p[rows[i]] for i in left])
+    tokens[pending] = _inverse_cdf(logits.softmax(-1), uniforms([rows[i] for i in left]))
+    return tokens
 
 
 def _run_processors(logits: torch.Tensor, i: int, s: Sequence, failed: dict[int, str]) -> None:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
+from replicas import sampler
 from replicas.request import SamplingParams, Sequence
 from replicas.sampler import sample
 
@@ -145,7 +147,7 @@ def test_top_k_top_p_over_a_window_equals_the_full_sort() -> None:
     logits[7, :4000] = float("-inf")
     k = [vocab, 5, vocab, 300, vocab, 1, 70, vocab]
     p = [0.9, 1.0, 0.5, 0.95, 0.999, 0.9, 1.0, 0.99]
-    got = _truncate(logits.clone(), k, p)
+    got, _ = _truncate(logits.clone(), k, p)
     want = _sorted_truncation(logits, k, p)
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     assert torch.equal(got[~torch.isinf(got)], want[~torch.isinf(want)])
@@ -177,3 +179,44 @@ def test_penalties_change_only_the_seen_tokens_as_defined() -> None:
             want[i, t] -= s.params.frequency_penalty * n + s.params.presence_penalty
     apply_penalties(logits, seqs)
     torch.testing.assert_close(logits, want)
+
+
+def _wide(rows: int, vocab: int = 300) -> torch.Tensor:
+    """Rows whose top_p set reaches far past the sampler's first window of 64 logits."""
+    g = torch.Generator().manual_seed(11)
+    return (torch.randn(vocab, generator=g) * 0.5).expand(rows, -1).clone()
+
+
+@pytest.mark.parametrize("rejections", [16, 0])  # 0: every row's set built exactly instead
+@pytest.mark.parametrize(("top_k", "top_p"), [(0, 0.9), (150, 0.95), (250, 1.0)])
+def test_wide_top_k_top_p_sets_are_drawn_with_their_renormalised_probabilities(
+        monkeypatch: pytest.MonkeyPatch, rejections: int, top_k: int, top_p: float) -> None:
+    monkeypatch.setattr(sampler, "MAX_REJECTIONS", rejections)
+    torch.manual_seed(3)
+    rows, vocab = 20000, 300
+    logits = _wide(rows, vocab)
+    k = top_k if top_k else vocab
+    want = _sorted_truncation(logits[:1], [k], [top_p])[0].softmax(-1)
+    assert int((want > 0).sum()) > 64  # past the first window: drawn by rejection
+    seqs = [Sequence(i, f"r{i}", 0, [1], 1, SamplingParams(max_tokens=4, top_k=top_k,
+                                                           top_p=top_p)) for i in range(rows)]
+    tokens = torch.tensor(sample(logits, seqs, frozenset()).token_ids)
+    assert bool((want[tokens] > 0).all())  # never a token outside the set
+    freq = torch.bincount(tokens, minlength=vocab).float() / rows
+    torch.testing.assert_close(freq, want, atol=0.006, rtol=0)
+
+
+def test_a_seed_draws_the_same_token_through_rejections() -> None:
+    logits = _wide(1)
+    params = SamplingParams(max_tokens=4, top_p=0.8, seed=1)
+
+    def seqs(seeds: list[int | None]) -> list[Sequence]:
+        out = [Sequence(i, f"r{i}", 0, [1], 1, params) for i in range(len(seeds))]
+        for s, seed in zip(out, seeds):
+            if seed is not None:
+                s.generator = torch.Generator().manual_seed(seed)
+        return out
+    alone = [sample(logits.clone(), seqs([s]), frozenset()).token_ids[0] for s in range(20)]
+    batch = sample(logits.expand(41, -1).clone(), seqs([None, *range(20), *[None] * 20]),
+                   frozenset()).token_ids
+    assert batch[1:21] == alone and len(set(alone)) > 5
