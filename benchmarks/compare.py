@@ -406,14 +406,14 @@ def _other_name(name: str, cmdline: str) -> str:
 
 def _front_costs(before: dict[str, float], after: dict[str, float],
                  output_tokens: int) -> dict[str, float]:
-    """What serving cost beside the engine during the load: the front's CPU per engine step and
-    per streamed message (the front also does Ray's per-request work), the core's, and the
-    ingresses' per output token (detokenizing, the SSE events and their HTTP writes)."""
+    """What serving cost beside the engine during the load: the front's CPU per engine step (it
+    also does Ray's per-request work), the core's, the ingresses' per output token
+    (detokenizing, the SSE events and their HTTP writes), and every other process's."""
     d = {k: after.get(k, 0.0) - before[k] for k in before}
     others = {k.split(":", 1)[1]: v for k, v in d.items() if k.startswith("other_cpu_s:")
               and v >= 0.05}
     # /metrics lags the board by up to a report period: the counts are a little low
-    steps, messages = max(d["steps"], 1.0), max(d["messages"], 1.0)
+    steps = max(d["steps"], 1.0)
     return {"front_cpu_s": d["front_cpu_s"], "core_cpu_s": d["core_cpu_s"],
             "ingress_cpu_s": d["ingress_cpu_s"],
             "other_cpu_s": dict(sorted(others.items(), key=lambda kv: -kv[1])),
@@ -421,7 +421,6 @@ def _front_costs(before: dict[str, float], after: dict[str, float],
             "engine_steps": d["steps"], "stream_messages": d["messages"],
             "held_steps": d["held_steps"],
             "front_cpu_ms_per_step": 1e3 * d["front_cpu_s"] / steps,
-            "front_cpu_ms_per_message": 1e3 * d["front_cpu_s"] / messages,
             "decode_only_step_ms": 1e3 * d["decode_step_s"] / max(d["decode_steps"], 1.0),
             "prefill_ms_per_prompt_token": 1e3 * d["prefill_step_s"] / max(d["prompt_tokens"], 1.0)}
 
@@ -463,8 +462,9 @@ def front_lines(results: dict[str, list[dict[str, Any]]]) -> list[str]:
                 f"{name}: replica front CPU {_median([r['front_cpu_s'] for r in runs]):.1f} s, "
                 f"engine core {_median([r['core_cpu_s'] for r in runs]):.1f} s; front "
                 f"{_median([r['front_cpu_ms_per_step'] for r in runs]):.2f} ms per engine step, "
-                f"{_median([r['front_cpu_ms_per_message'] for r in runs]):.2f} ms per "
-                f"streamed message; ingresses {_median([r['ingress_cpu_s'] for r in runs]):.1f} s,"
+                f"{_median([r['stream_messages'] for r in runs]):.0f} Ray messages to the "
+                "ingresses (tokens go over channels); ingresses "
+                f"{_median([r['ingress_cpu_s'] for r in runs]):.1f} s,"
                 f" {_median([r['ingress_cpu_us_per_token'] for r in runs]):.0f} us per output "
                 f"token; {_median([r['engine_steps'] for r in runs]):.0f} engine steps, "
                 f"{_median([r['held_steps'] for r in runs]):.0f} of them held for "

@@ -137,13 +137,19 @@ def test_front_costs_divide_the_load_s_counters() -> None:
 
     before = {"front_cpu_s": 1.0, "core_cpu_s": 10.0, "ingress_cpu_s": 3.0, "steps": 100.0,
               "messages": 50.0, "decode_steps": 90.0, "decode_step_s": 2.7,
-              "prefill_step_s": 1.0, "prompt_tokens": 1000.0, "held_steps": 7.0}
+              "prefill_step_s": 1.0, "prompt_tokens": 1000.0, "held_steps": 7.0,
+              "other_cpu_s:ray::StatusBoard": 1.0, "other_cpu_s:raylet": 2.0,
+              "other_cpu_s:gcs_server": 0.5}
     after = {"front_cpu_s": 2.0, "core_cpu_s": 30.0, "ingress_cpu_s": 5.0, "steps": 600.0,
              "messages": 1050.0, "decode_steps": 590.0, "decode_step_s": 17.7,
-             "prefill_step_s": 4.0, "prompt_tokens": 6000.0, "held_steps": 47.0}
+             "prefill_step_s": 4.0, "prompt_tokens": 6000.0, "held_steps": 47.0,
+             "other_cpu_s:ray::StatusBoard": 1.5, "other_cpu_s:raylet": 3.0,
+             "other_cpu_s:gcs_server": 0.51}
     costs = _front_costs(before, after, 20000)
     assert costs["engine_steps"] == 500.0 and costs["held_steps"] == 40.0
-    assert costs["front_cpu_ms_per_step"] == 2.0 and costs["front_cpu_ms_per_message"] == 1.0
+    assert costs["front_cpu_ms_per_step"] == 2.0 and costs["stream_messages"] == 1000.0
+    # the other processes by CPU, most first, those under 0.05 s left out
+    assert list(costs["other_cpu_s"].items()) == [("raylet", 1.0), ("ray::StatusBoard", 0.5)]
     assert costs["ingress_cpu_s"] == 2.0 and costs["ingress_cpu_us_per_token"] == 100.0
     assert abs(costs["decode_only_step_ms"] - 30.0) < 1e-9
     assert abs(costs["prefill_ms_per_prompt_token"] - 0.6) < 1e-9
