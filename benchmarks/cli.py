@@ -31,7 +31,7 @@ SUBCOMMANDS: list[Subcommand] = [
     Subcommand("bandwidth", "benchmarks.bandwidth", "the memory-bound kernels vs the box's read bandwidth"),
     Subcommand("soak", "benchmarks.soak", "many requests while the server processes' memory is sampled"),
     Subcommand("hop", "benchmarks.hop", "per-step cost of shard actors vs in-process"),
-    Subcommand("host", "benchmarks.host", "the engine core's host work per step: step tensors, sampling"),
+    Subcommand("host", "benchmarks.host", "the engine core's host work per step"),
     Subcommand("caps", "benchmarks.caps", "other streams' TPOT beside one request at the list caps"),
     Subcommand("prediction", "benchmarks.prediction", "TPOT with a mostly right prediction vs without"),
     Subcommand("burst", "benchmarks.burst", "N requests at once: status counts, latency, /health"),

@@ -6,8 +6,9 @@ time), and the sequences whose tables the runner drops; for a multimodal model a
 items whose placeholder tokens the step computes. Each runner keeps the tables it was given in
 one array between steps (`block_tables.BlockTables`), so a decoding row crosses to the shards as
 one token and, once a block, one block id, never its whole table, and a step's tensors are built
-from that array in a few array operations over all its tokens, not per row. Rank 0's runner returns the logits of the rows that sample (and of every
-prompt position for rows that asked for prompt logprobs).
+from that array in a few array operations over all its tokens, not per row. Rank 0's runner
+returns the logits of the rows that sample (and of every prompt position for rows that asked
+for prompt logprobs).
 
 Media items are encoded at most once while they stay in a bounded LRU cache of encoder outputs
 (keyed by `MultiModalItem.key`): chunked prefill reads an image's rows over several steps, and

@@ -3,8 +3,9 @@
 Order, as in vLLM: logprobs of the raw logits; then constraint bitmasks, allowed-token masks, bad
 words, min-tokens EOS bans, logit bias, repetition/presence/frequency penalties, temperature,
 min-p; then one inverse-transform draw (a uniform a row against the running sum of its
-probabilities) draws every row at once, top-k and top-p by rejection. Seeded rows draw their uniform from their own
-generator, so a seed gives the same tokens whatever else shares the batch.
+probabilities) draws every row at once, top-k and top-p sets cut in a window of the largest
+logits or, where they spread wider, drawn by rejection. Seeded rows draw their uniforms from
+their own generator, so a seed gives the same tokens whatever else shares the batch.
 
 A request's lists (allowed_token_ids, logit_bias, bad words, stop_token_ids) become tensors once,
 on its sequence's first step (`RowTables`), so a step costs a few tensor operations per row that
