@@ -398,9 +398,13 @@ def _other_name(name: str, cmdline: str) -> str:
     words = cmdline.split()
     if words and words[0].startswith("ray::"):
         return words[0]
-    if name.startswith("python") and len(words) > 1:  # the script's name or `-m`'s module
-        script = words[2] if words[1] == "-m" and len(words) > 2 else words[1]
-        return f"{name} {os.path.basename(script)}"
+    if name.startswith("python"):  # the script's name or `-m`'s module, past other flags
+        rest = iter(words[1:])
+        for word in rest:
+            if word == "-m":
+                return f"{name} {next(rest, '')}"
+            if not word.startswith("-"):
+                return f"{name} {os.path.basename(word)}"
     return name
 
 
