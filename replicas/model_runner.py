@@ -131,11 +131,11 @@ class ModelRunner:
         return self.block_tables.apply(step.freed, [(row.seq_id, row.blocks)
                                                     for row in step.rows])
 
-    def _slots(self, table_row: int, start: int, end: int) -> np.ndarray:
-        """The cache slots of positions [start, end) of the table in `block_tables` row."""
-        p = np.arange(start, end, dtype=np.int64)
+    def _cache_slots(self, table_rows: np.ndarray | int, positions: np.ndarray) -> np.ndarray:
+        """The cache slot of each position in its table (`block_tables` rows: one per position,
+        or one for all of them)."""
         bs = self.block_size
-        return self.block_tables.array[table_row, p // bs] * bs + p % bs
+        return self.block_tables.array[table_rows, positions // bs] * bs + positions % bs
 
     def prepare(self, step: StepInput, table_rows: np.ndarray
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -153,20 +153,20 @@ class ModelRunner:
             token_row = np.repeat(np.arange(n_rows), counts)  # each token's step row
             positions = np.arange(total, dtype=np.int64) + (starts - offsets)[token_row]
         token_table = table_rows[token_row]  # each token's row of the tables
-        bs = self.block_size
-        tables = self.block_tables.array
-        slot_mapping = tables[token_table, positions // bs] * bs + positions % bs
+        slot_mapping = self._cache_slots(token_table, positions)
         # decode rows (one token), and on CPUs every prefill token too (`native_prefill`), are
         # attended as decode tokens; on GPUs prefill rows keep flash attention (varlen or per row)
         decode_row = (np.ones(n_rows, dtype=bool) if self.native_prefill else counts == 1)
         fields: dict = {}  # AttentionMetadata fields beyond the slot mapping
+        bs = self.block_size
         decode_index = (np.arange(total, dtype=np.int64) if self.native_prefill
                         else np.flatnonzero(decode_row[token_row]))
         if decode_index.size:
             lens = positions[decode_index] + 1
             # only the blocks a row's context reaches: tables may hold blocks reserved ahead
             width = -(-int(lens.max()) // bs)
-            block_rows = torch.from_numpy(tables[token_table[decode_index], :width])
+            block_rows = torch.from_numpy(
+                self.block_tables.array[token_table[decode_index], :width])
             lens_t = torch.from_numpy(lens)
             fields = {"decode_token_index": torch.from_numpy(decode_index),
                       "decode_block_tables": block_rows, "decode_context_lens": lens_t,
@@ -186,14 +186,14 @@ class ModelRunner:
             offset, n, start = int(offsets[i]), int(counts[i]), int(starts[i])
             if self.varlen_prefill:
                 prefill_index.append(np.arange(offset, offset + n, dtype=np.int64))
-                kv_slots += [self._slots(int(table_rows[i]), 0, start),
+                kv_slots += [self._cache_slots(int(table_rows[i]), np.arange(start)),
                              slot_mapping[offset:offset + n]]
                 cu_q.append(cu_q[-1] + n)
                 cu_k.append(cu_k[-1] + start + n)
                 prefill.append(PrefillRow(offset, offset + n, None))
             else:
-                ctx = (None if start == 0
-                       else torch.from_numpy(self._slots(int(table_rows[i]), 0, start + n)))
+                ctx = (None if start == 0 else torch.from_numpy(
+                    self._cache_slots(int(table_rows[i]), np.arange(start + n))))
                 prefill.append(PrefillRow(offset, offset + n, ctx))
         if prefill_index:
             fields["prefill_varlen"] = VarlenPrefill(
@@ -244,10 +244,10 @@ class ModelRunner:
         width = -(-(int(starts.max()) + 1) // bs)
         if not self.graphs.fits(len(rows), width):
             return None
-        tables = self.block_tables.array[table_rows, :width]
-        slots = tables[np.arange(len(rows)), starts // bs] * bs + starts % bs
-        logits = self.graphs.run([r.token_ids[0] for r in rows], starts.tolist(), slots.tolist(),
-                                 torch.from_numpy(tables), (starts + 1).tolist())
+        logits = self.graphs.run([r.token_ids[0] for r in rows], starts.tolist(),
+                                 self._cache_slots(table_rows, starts).tolist(),
+                                 torch.from_numpy(self.block_tables.array[table_rows, :width]),
+                                 (starts + 1).tolist())
         sampled = [i for i, r in enumerate(rows) if r.sample]
         if len(sampled) < len(rows):
             logits = logits[sampled]
