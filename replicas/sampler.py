@@ -362,22 +362,25 @@ def _draw(logits: torch.Tensor, seqs: list[Sequence], batch: BatchParams) -> tor
         part = logits if every else logits[truncated]
         cut, open_rows = _truncate(part, [batch.top_k[i] for i in truncated],
                                    [batch.top_p[i] for i in truncated], widen=False)
+        if open_rows is not None:  # whole rows: their first draw is the rejection's first
+            wide = [truncated[j] for j in open_rows.nonzero().flatten().tolist()]
+            cut[open_rows] = part[open_rows]
         if every:
             logits = cut
         else:
             logits[truncated] = cut
-        if open_rows is not None:
-            wide = [truncated[j] for j in open_rows.nonzero().flatten().tolist()]
-            wide_probs = part[open_rows].softmax(-1)
-    tokens = _inverse_cdf(logits.softmax(-1), uniforms(rows))
-    if wide:
-        tokens[wide] = _draw_truncated(wide_probs, wide, batch, uniforms)
+    probs = logits.softmax(-1)
+    wide_probs = probs[wide] if wide else None
+    tokens = _inverse_cdf(probs, uniforms(rows))
+    if wide_probs is not None:
+        tokens[wide] = _draw_truncated(wide_probs, tokens[wide], wide, batch, uniforms)
     return tokens
 
 
-def _draw_truncated(probs: torch.Tensor, rows: list[int], batch: BatchParams,
-                    uniforms: _Uniforms) -> torch.Tensor:
-    """Draws from each row's top-k and top-p set without building it: a drawn token is kept
+def _draw_truncated(probs: torch.Tensor, tokens: torch.Tensor, rows: list[int],
+                    batch: BatchParams, uniforms: _Uniforms) -> torch.Tensor:
+    """Draws from each row's top-k and top-p set without building it, from `tokens` drawn from
+    the rows' whole `probs` (both overwritten): a drawn token is kept
     when fewer than top_k tokens, holding less than top_p of the probability, are more likely
     than it; otherwise it and every token no more likely leave the row (none of them can be in
     the set) and the row draws again from what is left. That is rejection sampling, so the
@@ -388,7 +391,6 @@ def _draw_truncated(probs: torch.Tensor, rows: list[int], batch: BatchParams,
     top_k = torch.tensor([batch.top_k[i] for i in rows], device=dev)
     top_p = torch.tensor([batch.top_p[i] for i in rows], device=dev)
     original = probs.clone()
-    tokens = _inverse_cdf(probs.clone(), uniforms(rows))
     pending = torch.arange(len(rows), device=dev)
     for _ in range(MAX_REJECTIONS):
         part = probs[pending]
