@@ -48,6 +48,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--core", choices=["in-process", "process"], default="in-process",
                    help="process: the engine core in a process of its own, as served (no Ray, "
                         "no HTTP); the floors below are then not measured")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule each step while the one before it runs (default: on GPUs)")
     p.add_argument("--result-json", type=Path)
 
 
@@ -148,8 +150,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         kv_cache_gib=(args.kv_cache_gib if args.kv_cache_gib is not None
                       else None if torch.cuda.is_available() else 4.0),
         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.num_threads),
-        in_process=in_process)
+        max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.num_threads,
+        async_scheduling=args.async_scheduling), in_process=in_process)
     vocab = min(server.vocab_size, 3900)
     reqs = [GenerateRequest(f"b{k}", tuple(rng.randrange(10, vocab) for _ in range(i)),
                             SamplingParams(max_tokens=o, temperature=0.6, ignore_eos=True))
@@ -161,7 +163,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out_tokens = sum(o for _, o in lens)
     in_tokens = sum(i for i, _ in lens)
     result = {
-        "model": args.model, "dtype": server.info()["dtype"], "core": args.core, "num_seqs": n,
+        "model": args.model, "dtype": server.info()["dtype"], "core": args.core,
+        "async_scheduling": server.info()["async_scheduling"], "num_seqs": n,
         "input_tokens": in_tokens, "output_tokens": out_tokens, "elapsed_s": elapsed,
         "output_tokens_per_s": out_tokens / elapsed,
         "total_tokens_per_s": (in_tokens + out_tokens) / elapsed,

@@ -6,19 +6,26 @@ the rows whose last token is new, apply stop rules, and hand every choice's new 
 `TokenBatch`es, and every failed request's error to `on_outputs` in one call per step (the engine
 core sends them to the replica as one message). A failure in one row's own work (its logits
 processors, its constraint guide, its sampling tables) fails that row's request only. Knows
-nothing of text: token ids in, token ids out."""
+nothing of text: token ids in, token ids out.
+
+With async scheduling (vLLM's) the next step is scheduled and queued while a step runs: its
+sequences are advanced as if the step were done, each sampled token a placeholder that the
+compute thread fills from the step before and the loop from the step's result; sequences whose
+next step reads their last token (penalties, guides, processors...) keep the loop scheduling
+after each result while they run."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
 import concurrent.futures
+import dataclasses
 import itertools
 import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -46,6 +53,11 @@ Outputs = list[tuple[str, TokenBatch]]
 Errors = list[tuple[str, BaseException]]
 
 
+# the token of a sequence's step in flight, in its token ids while the next step is scheduled
+# ahead (no token id is negative)
+PENDING = -1
+
+
 def compute_thread() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-compute")
 
@@ -65,6 +77,22 @@ class EngineConfig:
     sampleable_vocab: int | None = None
     # a step running longer than this means the engine is wedged (health turns red)
     step_stall_s: float = 120.0
+    # schedule each step while the one before it runs, where its sequences allow it
+    # (Engine._launch_ahead)
+    async_scheduling: bool = False
+
+
+@dataclass(eq=False)
+class _Step:
+    """A step queued on the compute thread, until its result is taken in."""
+    scheduled: list[ScheduledSeq]
+    sampling: list[Sequence]  # the sequences of its rows that sample, in row order
+    launched: float  # time.monotonic()
+    work: asyncio.Future = field(init=False)
+    # its sequences were advanced past it before its result (the next step was scheduled)
+    advanced: bool = False
+    # seq id -> the error its row's own work raised (its request fails)
+    row_errors: dict[int, EngineError] = field(default_factory=dict)
 
 
 @dataclass
@@ -78,6 +106,7 @@ class EngineStats:
     prefill_steps: int = 0
     prefill_step_s: float = 0.0
     forced_tokens: int = 0  # jump-forward: tokens appended without a decode step of their own
+    steps_scheduled_ahead: int = 0  # async scheduling: steps queued before the last one's result
     # media items the encoder ran on, its seconds, and lookups the encoder cache answered
     encoder_items: int = 0
     encoder_s: float = 0.0
@@ -140,8 +169,9 @@ class Engine:
         self.on_outputs: Callable[[Outputs, Errors], None] = lambda outputs, errors: None
         self._outputs: Outputs = []
         self._errors: Errors = []
-        # seq id -> the error its row's own work raised this step (its request fails)
-        self._row_errors: dict[int, EngineError] = {}
+        # the tokens the compute thread's last step sampled, by seq id (compute thread only):
+        # a step scheduled ahead takes its rows' last tokens from them (`_resolve`)
+        self._sampled: dict[int, int] = {}
         self._aborted: set[str] = set()
         # (request id, choice, output tokens kept): choices the ingress ended at a stop string
         self._stops: list[tuple[str, int, int]] = []
@@ -216,6 +246,11 @@ class Engine:
                 seq.guide = compiled.new_guide()
                 seq.guide_active = request.constraint_after is None
                 seq.constraint_after = request.constraint_after
+            p = request.params
+            seq.schedules_ahead = not (
+                p.needs_penalties or p.min_tokens or any(len(w) > 1 for w in p.bad_words_token_ids)
+                or seq.logits_processors or seq.guide is not None or seq.prediction
+                or seq.prompt_logprobs is not None)
             seqs.append(seq)
         for seq in seqs:
             self.scheduler.add(seq)
@@ -259,6 +294,8 @@ class Engine:
             if seq is None:
                 generated = self._finished_lengths.pop((request_id, choice), kept)
             else:
+                if seq.token_ids[-1] == PENDING:  # its step's token is dropped with it
+                    seq.token_ids.pop()
                 generated = seq.num_output_tokens
                 if not seq.is_finished:
                     seq.finish_reason = "stop"
@@ -331,47 +368,88 @@ class Engine:
             self.on_outputs(outputs, errors)
 
     async def _run(self) -> None:
+        step: _Step | None = None  # in flight on the compute thread
         while True:
             self._flush()
             self._apply_stops()
             self._reap_aborted()
             self._expire_waiting()
-            if not self.scheduler.has_work():
-                self._flush()
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            scheduled = self.scheduler.schedule()
-            if self._deadlines:
-                for s in scheduled:
-                    self._deadlines.pop(s.seq.request_id, None)
-            if not scheduled:
-                await asyncio.sleep(0.001)
-                continue
-            try:
-                loop = asyncio.get_running_loop()
-                started = time.perf_counter()
-                self._step_started = time.monotonic()
-                sampling = [s.seq for s in scheduled if s.samples]
-                masks: concurrent.futures.Future = concurrent.futures.Future()
-                work = loop.run_in_executor(self.compute, self._compute_step,
-                                            self._step_input(scheduled), sampling, masks)
-                # the constraint masks of this step need only the tokens so far, so they are
-                # filled here while the forward runs on the compute thread
-                try:
-                    masks.set_result(self._fill_masks(sampling))
-                except Exception as exc:
-                    masks.set_exception(exc)
-                out, result = await work
-                self._step_started = None
-                self.last_step_end = time.monotonic()
-                self._account(scheduled, time.perf_counter() - started, out)
-                self._postprocess(scheduled, out, sampling, result)
-            except Exception as exc:
-                self._step_started = None
-                self._row_errors.clear()
-                logger.exception("engine step failed")
-                await self._on_step_failure(exc, scheduled)
+            if step is None:
+                if not self.scheduler.has_work():
+                    self._flush()
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                step = self._launch()
+                if step is None:
+                    await asyncio.sleep(0.001)
+                    continue
+            # async scheduling: the next step is scheduled and queued on the compute thread
+            # while this one runs, so the loop's scheduling and postprocessing leave the path
+            # between two forwards
+            following = self._launch_ahead(step) if self.config.async_scheduling else None
+            await self._finish(step, following is not None)
+            step = following
+
+    def _launch(self) -> _Step | None:
+        """Schedules a step and queues it on the compute thread."""
+        scheduled = self.scheduler.schedule()
+        if self._deadlines:
+            for s in scheduled:
+                self._deadlines.pop(s.seq.request_id, None)
+        if not scheduled:
+            return None
+        sampling = [s.seq for s in scheduled if s.samples]
+        masks: concurrent.futures.Future = concurrent.futures.Future()
+        step = _Step(scheduled, sampling, time.monotonic())
+        step.work = asyncio.get_running_loop().run_in_executor(
+            self.compute, self._compute_step, self._step_input(scheduled), sampling, masks)
+        # the constraint masks of this step need only the tokens so far, so they are filled
+        # here while the forward runs on the compute thread
+        try:
+            masks.set_result(self._fill_masks(sampling, step.row_errors))
+        except Exception as exc:
+            masks.set_exception(exc)
+        if self._step_started is None:
+            self._step_started = step.launched
+        return step
+
+    def _launch_ahead(self, step: _Step) -> _Step | None:
+        """Schedules the step after `step` before its result is back, where every sequence in
+        it allows that (`Sequence.schedules_ahead`): each is advanced as if its step were done,
+        a sampled one by a placeholder token that the compute thread replaces with the token it
+        sampled (`_resolve`) and `_postprocess` with the same token. A sequence whose length
+        limit that token reaches is taken out of the running set, so no step is spent on it."""
+        if not all(s.seq.schedules_ahead and s.seq.table_epoch == s.epoch
+                   and not s.seq.is_finished for s in step.scheduled):
+            return None
+        for s in step.scheduled:
+            seq = s.seq
+            seq.num_computed_tokens += s.num_new_tokens
+            if s.samples:
+                seq.token_ids.append(PENDING)
+                if (seq.num_output_tokens >= seq.params.max_tokens
+                        or len(seq) >= self.config.max_model_len):
+                    self.scheduler.running.remove(seq)  # _check_stop frees it
+        step.advanced = True
+        following = self._launch()
+        if following is not None:
+            self.stats.steps_scheduled_ahead += 1
+        return following
+
+    async def _finish(self, step: _Step, next_queued: bool) -> None:
+        """Awaits a step's result and takes it in (or fails its requests)."""
+        try:
+            out, result, started = await step.work
+            now = time.monotonic()
+            self._step_started = now if next_queued else None
+            self.last_step_end = now
+            self._account(step.scheduled, time.perf_counter() - started, out)
+            self._postprocess(step, out, result)
+        except Exception as exc:
+            self._step_started = time.monotonic() if next_queued else None
+            logger.exception("engine step failed")
+            await self._on_step_failure(exc, step.scheduled)
 
     async def _on_step_failure(self, exc: Exception, scheduled: list[ScheduledSeq]) -> None:
         """A dead shard fails every request and the replica (Serve replaces it); anything else
@@ -441,14 +519,19 @@ class Engine:
             self.stats.prefill_step_s += seconds
 
     def _compute_step(self, step: StepInput, sampling: list[Sequence],
-                      masks: concurrent.futures.Future) -> tuple[StepOutput, SamplerOutput | None]:
-        """Forward and sampling, on the compute thread. All of the engine's torch work runs on
-        that one thread: torch ops issued from a second thread bring up a second OpenMP team
-        whose spinning threads slowed the forward by a third here."""
+                      masks: concurrent.futures.Future
+                      ) -> tuple[StepOutput, SamplerOutput | None, float]:
+        """Forward and sampling, on the compute thread; returns their result and when they
+        began (time.perf_counter()). All of the engine's torch work runs on that one thread:
+        torch ops issued from a second thread bring up a second OpenMP team whose spinning
+        threads slowed the forward by a third here."""
+        started = time.perf_counter()
+        step = self._resolve(step)
+        self._sampled = {}
         out = self.executor.execute(step)
         bitmask = masks.result()
         if not sampling:
-            return out, None
+            return out, None, started
         if self.config.sampleable_vocab is not None:
             out.logits[:, self.config.sampleable_vocab:] = float("-inf")
         apply = None
@@ -456,10 +539,30 @@ class Engine:
             words, rows = bitmask
             apply = lambda logits: bitmask_lib.apply_bitmask(logits, words, rows)  # noqa: E731
         batch = self.sampling_batch.params(sampling, out.logits.shape[1], out.logits.device)
-        return out, sample(out.logits, sampling, self.eos_ids, apply, batch)
+        result = sample(out.logits, sampling, self.eos_ids, apply, batch)
+        self._sampled = {seq.seq_id: token for seq, token in zip(sampling, result.token_ids)}
+        return out, result, started
 
-    def _fill_masks(self, sampling: list[Sequence]) -> tuple[torch.Tensor, list[int]] | None:
-        """A guide that fails here fails its own request (`_row_errors`), not the step."""
+    def _resolve(self, step: StepInput) -> StepInput:
+        """A row scheduled ahead ends in the placeholder of the token its sequence's previous
+        step sampled: the token, from that step (the one before this on this thread)."""
+        if not any(row.token_ids[-1] == PENDING for row in step.rows):
+            return step
+        rows = []
+        for row in step.rows:
+            if row.token_ids[-1] == PENDING:
+                token = self._sampled.get(row.seq_id)  # type: ignore[arg-type]
+                if token is None:
+                    raise EngineError("the engine step before this one failed", status=503,
+                                      type_="ServiceUnavailableError",
+                                      retry_after=RETRY_AFTER_S)
+                row = dataclasses.replace(row, token_ids=(*row.token_ids[:-1], token))
+            rows.append(row)
+        return dataclasses.replace(step, rows=tuple(rows))
+
+    def _fill_masks(self, sampling: list[Sequence], errors: dict[int, EngineError]
+                    ) -> tuple[torch.Tensor, list[int]] | None:
+        """A guide that fails here fails its own request (`errors`), not the step."""
         rows = [i for i, seq in enumerate(sampling) if seq.guide is not None and seq.guide_active]
         if not rows:
             return None
@@ -471,24 +574,28 @@ class Engine:
                 filled.append(i)
             except Exception as exc:
                 logger.exception("constraint guide failed for %s", sampling[i].request_id)
-                self._row_errors[sampling[i].seq_id] = _internal_error("output constraint", exc)
+                errors[sampling[i].seq_id] = _internal_error("output constraint", exc)
         return (bitmask, filled) if filled else None
 
-    def _postprocess(self, scheduled: list[ScheduledSeq], out: StepOutput,
-                     sampling: list[Sequence], result: SamplerOutput | None) -> None:
+    def _postprocess(self, step: _Step, out: StepOutput, result: SamplerOutput | None) -> None:
+        """Takes a step's result in. A sequence that left the running set since the step was
+        scheduled (finished, aborted, preempted: possible when the next step was scheduled
+        ahead) keeps no blocks of it; a preempted one still takes its sampled token."""
         self.stats.num_steps += 1
         # seq_id -> (logits that verify its draft, its computed tokens before this step)
         drafts: dict[int, tuple[torch.Tensor, int]] = {}
         dropped: set[int] = set()  # drafts taken back: nothing of theirs was sampled
-        for s, all_logits in zip(scheduled, out.all_logits):
+        for s, all_logits in zip(step.scheduled, out.all_logits):
             seq = s.seq
-            before = seq.num_computed_tokens
-            samples = s.samples  # (it reads num_computed_tokens)
+            before = s.before
             if before < seq.num_prompt_tokens:
                 self.stats.prompt_tokens += min(s.num_new_tokens, seq.num_prompt_tokens - before)
-            seq.num_computed_tokens += s.num_new_tokens
+            if seq.is_finished or seq.table_epoch != s.epoch:
+                continue
+            if not step.advanced:
+                seq.num_computed_tokens += s.num_new_tokens
             if seq.proposed:
-                if samples and all_logits is not None:
+                if s.samples and all_logits is not None:
                     # from the position of the token before the draft: blocks are committed
                     # once it is known which draft tokens stay
                     drafts[seq.seq_id] = (
@@ -501,10 +608,11 @@ class Engine:
                 self._prompt_logprobs(seq, before, all_logits)
         if result is None:
             return
-        for row, (seq, token, lp) in enumerate(zip(sampling, result.token_ids, result.logprobs)):
+        for row, (seq, token, lp) in enumerate(zip(step.sampling, result.token_ids,
+                                                   result.logprobs)):
             if seq.request_id in self._aborted or seq.is_finished or seq.seq_id in dropped:
                 continue
-            error = self._row_errors.pop(seq.seq_id, None)
+            error = step.row_errors.get(seq.seq_id)
             if row in result.failed:
                 error = EngineError(result.failed[row], param="logits_processors")
             if error is not None:
@@ -514,20 +622,25 @@ class Engine:
                 self._end_masked_out(seq)
                 continue
             try:
-                self._take_sampled(seq, token, lp, drafts)
+                self._take_sampled(seq, token, lp, drafts, step.advanced)
             except Exception as exc:  # this row's guide or draft: its request fails, not the step
                 logger.exception("sampled token of %s failed", seq.request_id)
                 self._fail(seq.request_id, _internal_error("sampled token", exc))
-        self._row_errors.clear()
 
     def _take_sampled(self, seq: Sequence, token: int, lp: TokenLogprob | None,
-                      drafts: dict[int, tuple[torch.Tensor, int]]) -> None:
+                      drafts: dict[int, tuple[torch.Tensor, int]], advanced: bool) -> None:
+        """`advanced`: the sequence holds the token's placeholder already (`_launch_ahead`)."""
         kept: list[int] = []
         if seq.seq_id in drafts:
             kept, token = self._verify_draft(seq, *drafts[seq.seq_id], token)
         new = list(kept)
         if not seq.is_finished:
-            seq.token_ids.append(token)
+            if advanced:
+                if seq.token_ids[-1] != PENDING:
+                    raise RuntimeError("a sequence scheduled ahead lost its placeholder")
+                seq.token_ids[-1] = token
+            else:
+                seq.token_ids.append(token)
             forced = self._advance_guide(seq, token) if seq.guide is not None else []
             self._check_stop(seq, token)
             new += [token, *forced]

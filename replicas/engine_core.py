@@ -181,12 +181,15 @@ class EngineCore:
         if waiting_steps is None:
             waiting_steps = DEFAULT_WAITING_STEPS if self.info["cuda_graphs"] else 0
         self.info["max_waiting_steps"] = waiting_steps
+        self.info["async_scheduling"] = (on_gpu if config.async_scheduling is None
+                                         else config.async_scheduling)
         self.engine = Engine(
             EngineConfig(max_len, executor.num_blocks(), config.block_size, config.max_num_seqs,
                          config.max_num_batched_tokens, config.max_waiting,
                          config.enable_prefix_caching, config.priority_scheduling,
                          waiting_steps, sampleable_vocab=_tokenizer_size(path),
-                         step_stall_s=config.step_timeout_s),
+                         step_stall_s=config.step_timeout_s,
+                         async_scheduling=self.info["async_scheduling"]),
             executor, eos,
             {name: load_factory(name) for name in config.logits_processors}, compute)
         # requests whose constraint is compiling: an abort meanwhile cancels the compile

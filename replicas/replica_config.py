@@ -47,6 +47,9 @@ class ReplicaConfig:
     # decode-only steps new sequences may sit out so the step stays a CUDA graph
     # (replicas/scheduler.py); None: 4 where decode steps replay CUDA graphs, else 0
     max_waiting_steps: int | None = None
+    # vLLM's --async-scheduling: each step is scheduled while the one before it runs
+    # (replicas/engine.py, Engine._launch_ahead); None: on GPUs, not on CPUs
+    async_scheduling: bool | None = None
     # the front kills and restarts a core whose step has run this long (a hung forward) or that
     # has sent nothing for `core_silence_s` (its process is wedged)
     step_timeout_s: float = 120.0

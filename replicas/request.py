@@ -203,6 +203,11 @@ class Sequence:
     proposed: list[int] = field(default_factory=list)
     accepted_prediction: int = 0  # since the last batch
     rejected_prediction: int = 0
+    # the engine may schedule this sequence's next step before its last step's token is known
+    # (async scheduling): nothing that step computes or samples for it reads that token
+    # (no penalties, min_tokens, multi-token bad words, logits processors, constraint,
+    # prediction or prompt logprobs)
+    schedules_ahead: bool = False
     # media items of the prompt, and the prompt as block keys see it (block_hash.media_key_tokens)
     mm_items: tuple[MultiModalItem, ...] = ()
     key_prompt: list[int] | None = None

@@ -14,7 +14,7 @@ long: under a steady stream of arrivals nearly every step would be eager."""
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from replicas.kv_cache import BlockManager
 from replicas.request import Sequence, SequenceStatus
@@ -32,11 +32,20 @@ class SchedulerConfig:
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
+    # True when this step computes the sequence's last known token, so a new one is sampled;
+    # fixed when scheduled (with async scheduling the engine advances the sequence before the
+    # step's result comes back)
+    samples: bool = field(init=False)
+    # the sequence's computed tokens and table epoch when scheduled
+    before: int = field(init=False)
+    epoch: int = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """True when this step computes the sequence's last known token, so a new one is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq)
+    def __post_init__(self) -> None:
+        seq = self.seq
+        object.__setattr__(self, "samples",
+                           seq.num_computed_tokens + self.num_new_tokens == len(seq))
+        object.__setattr__(self, "before", seq.num_computed_tokens)
+        object.__setattr__(self, "epoch", seq.table_epoch)
 
 
 class Scheduler:

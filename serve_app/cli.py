@@ -79,6 +79,9 @@ def _serve_parser(sub: Any) -> None:
                    help="decode steps new requests may wait before joining the batch together, "
                         "so those steps stay CUDA graphs (TGI's --max-waiting-tokens; default 4 "
                         "where decode steps replay CUDA graphs, else 0)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule each engine step while the one before it runs (vLLM's "
+                        "--async-scheduling; default: on GPUs, off on CPUs)")
     p.add_argument("--step-timeout-s", type=float,
                    help="an engine step running this long is taken as hung: the replica kills "
                         "and restarts its engine core (default 120)")
@@ -144,6 +147,7 @@ def config_from_args(args: argparse.Namespace):
                   "stream_messages_per_s": args.stream_messages_per_s,
                   "enforce_eager": args.enforce_eager or None,
                   "max_waiting_steps": args.max_waiting_steps,
+                  "async_scheduling": args.async_scheduling,
                   "step_timeout_s": args.step_timeout_s,
                   "tool_call_parser": args.tool_call_parser,
                   "reasoning_parser": args.reasoning_parser}

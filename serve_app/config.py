@@ -78,6 +78,9 @@ class ModelConfig(BaseModel):
     # decode-only steps (CUDA graphs) that new requests may wait for before they join the batch
     # together (TGI's max_waiting_tokens); None: 4 where the replica replays CUDA graphs, else 0
     max_waiting_steps: int | None = Field(None, ge=0)
+    # vLLM's --async-scheduling: each engine step is scheduled while the one before it runs;
+    # None: on GPUs (on CPUs the loop's thread takes a core from the forward's: measured slower)
+    async_scheduling: bool | None = None
     # the replica kills and restarts its engine core when a step runs this long (a hung
     # forward); raise it for huge prefill chunks on slow CPUs
     step_timeout_s: float = Field(120.0, gt=0)
@@ -120,6 +123,7 @@ class ModelConfig(BaseModel):
             structured_timeout_s=self.structured_timeout_s,
             stream_messages_per_s=self.stream_messages_per_s,
             enforce_eager=self.enforce_eager, max_waiting_steps=self.max_waiting_steps,
+            async_scheduling=self.async_scheduling,
             step_timeout_s=self.step_timeout_s, core_niceness=self.core_niceness,
             model=self.checkpoint, max_model_len=self.max_model_len, dtype=self.dtype,
             quantization=self.quantization,

@@ -38,6 +38,9 @@ class Metrics:
         self.held_steps = Gauge("shardserve:scheduler_held_steps_total",
                                 "Decode steps that new requests sat out (--max-waiting-steps)",
                                 label, registry=r)
+        self.ahead = Gauge("shardserve:engine_steps_scheduled_ahead_total",
+                           "Engine steps scheduled while the step before them ran "
+                           "(--async-scheduling)", label, registry=r)
         self.forced = Gauge("shardserve:jump_forward_tokens_total",
                             "Constrained tokens appended without a decode step of their own",
                             label, registry=r)
@@ -130,6 +133,7 @@ class Metrics:
         self.generation_tokens.labels(model).set(total("generation_tokens"))
         self.preemptions.labels(model).set(total("preemptions"))
         self.held_steps.labels(model).set(total("held_steps"))
+        self.ahead.labels(model).set(total("steps_scheduled_ahead"))
         self.forced.labels(model).set(total("forced_tokens"))
         self.steps.labels(model).set(total("num_steps"))
         for kind, (steps, seconds) in self.step_kinds.items():

@@ -27,14 +27,17 @@ FAILS = "tests.replicas.processors:FailsAfter"
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
-@pytest.fixture(scope="module")
-def server() -> LLMServer:
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async-scheduling"])
+def server(request: pytest.FixtureRequest) -> LLMServer:
+    """The engine's tests run with each step scheduled after the one before it returns, and
+    with it scheduled while that one runs (async scheduling, replicas/engine.py)."""
     server = LLMServer(ReplicaConfig(model=EMBEDDED_MODEL_ID, max_model_len=512,
                                      kv_cache_gib=0.05, max_num_seqs=32,
                                      max_num_batched_tokens=256, block_size=8,
                                      logits_processors=(NGRAM, FAILS),
                                      # above the test's own, so that no privilege is needed
-                                     core_niceness=os.getpriority(os.PRIO_PROCESS, 0) + 1))
+                                     core_niceness=os.getpriority(os.PRIO_PROCESS, 0) + 1,
+                                     async_scheduling=request.param))
     yield server
     server.close()
 
@@ -245,15 +248,19 @@ async def test_allowlisted_logits_processor_applies(server: LLMServer) -> None:
             max_tokens=2, logits_processors=(("os:system", "{}"),))))
 
 
-async def test_preemption_by_recompute_keeps_outputs_exact() -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async-scheduling"])
+async def test_preemption_by_recompute_keeps_outputs_exact(async_scheduling: bool) -> None:
     # a cache of one full-length sequence (128 tokens) for 8 requests that need 80 each
     small = LLMServer(ReplicaConfig(model=EMBEDDED_MODEL_ID, max_model_len=128,
                                     kv_cache_gib=1e-9, max_num_seqs=8, block_size=16,
-                                    enable_prefix_caching=False))
+                                    enable_prefix_caching=False,
+                                    async_scheduling=async_scheduling))
     try:
         assert (await small.fresh_stats())["num_blocks"] == 8
+        # seeded sampling too: a sequence preempted while its step runs keeps that step's token
         reqs = [GenerateRequest(f"pre{i}", p[:40] + (1,) * max(0, 40 - len(p)),
-                                SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+                                SamplingParams(max_tokens=40, temperature=0.0 if i % 2 else 1.0,
+                                               seed=i, ignore_eos=True))
                 for i, p in enumerate(_prompts(8, seed=9))]
         alone = [_tokens((await _collect(small, r))[0]) for r in reqs]
         together = await asyncio.gather(*(_collect(small, r) for r in reqs))
@@ -623,3 +630,43 @@ async def test_a_failing_logits_processor_fails_its_request_only(server: LLMServ
             assert not isinstance(result, BaseException), result
             assert _tokens(result[0]) == expected
     assert (await _settled(server))["num_used_blocks"] == 0
+
+
+async def test_async_scheduling_gives_the_tokens_of_steps_scheduled_one_after_another() -> None:
+    """The same mixed load on a core that schedules each step after the last one's result and
+    on one that schedules it while that step runs: greedy, seeded top-p, penalties (their rows
+    keep the engine scheduling after the result), n = 2, stop tokens, logprobs and lengths up to
+    the context limit all give the same tokens, logprobs and finish reasons; the async core did
+    schedule steps ahead, and both end with every block free."""
+    prompts = _prompts(24, seed=41)
+    kinds = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
+             SamplingParams(max_tokens=25, temperature=0.9, top_p=0.8, seed=3, ignore_eos=True),
+             SamplingParams(max_tokens=20, temperature=1.0, seed=5, logprobs=2, ignore_eos=True),
+             SamplingParams(max_tokens=20, temperature=0.0, frequency_penalty=1.5,
+                            ignore_eos=True),
+             SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=(3000, 2000, 1000),
+                            ignore_eos=True),
+             SamplingParams(max_tokens=128, temperature=1.0, seed=9, ignore_eos=True)]
+    reqs = [GenerateRequest(f"mix{i}", p[:100], kinds[i % len(kinds)], n=1 + (i % 5 == 0))
+            for i, p in enumerate(prompts)]
+    runs = {}
+    for mode in (False, True):
+        core = LLMServer(ReplicaConfig(model=EMBEDDED_MODEL_ID, max_model_len=228,
+                                       kv_cache_gib=0.02, max_num_seqs=16,
+                                       max_num_batched_tokens=128, block_size=8,
+                                       async_scheduling=mode))
+        try:
+            assert core.info()["async_scheduling"] is mode
+            results = await asyncio.gather(*(_collect(core, r) for r in reqs))
+            runs[mode] = [{c: ([t for b in bs for t in b.token_ids],
+                               [(lp.token_id, round(lp.logprob, 4)) for b in bs
+                                for lp in (b.logprobs or ())], bs[-1].finish_reason)
+                           for c, bs in out.items()} for out in results]
+            stats = await _settled(core)
+            assert stats["num_used_blocks"] == 0
+            assert (stats["steps_scheduled_ahead"] > 0) is mode
+        finally:
+            core.close()
+    assert runs[True] == runs[False]
+    longest = runs[True][5][0]
+    assert len(longest[0]) == 128 and longest[2] == "length"

@@ -35,3 +35,13 @@ def test_the_core_s_niceness_is_a_model_setting() -> None:
     assert ModelConfig(core_niceness=None).replica_config().core_niceness is None
     with pytest.raises(ValidationError, match="core_niceness"):
         ModelConfig(core_niceness=20)
+
+
+def test_async_scheduling_is_a_flag_and_a_yaml_field() -> None:
+    """Unset, the core decides by device (on GPUs); either flag wins."""
+    def replica(*argv: str):
+        return cli.config_from_args(_serve_args(*argv)).models[0].replica_config()
+    assert replica().async_scheduling is None
+    assert replica("--async-scheduling").async_scheduling is True
+    assert replica("--no-async-scheduling").async_scheduling is False
+    assert ModelConfig(async_scheduling=True).replica_config().async_scheduling is True

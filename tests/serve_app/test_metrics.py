@@ -14,7 +14,8 @@ def test_step_kinds_sum_over_replicas() -> None:
     metrics = Metrics()
     reports = [{"num_steps": 10, "decode_steps": 8, "decode_step_s": 0.4, "prefill_steps": 2,
                 "prefill_step_s": 0.5, "held_steps": 3},
-               {"num_steps": 5, "decode_steps": 5, "decode_step_s": 0.1},  # no prefill yet
+               {"num_steps": 5, "decode_steps": 5, "decode_step_s": 0.1,
+                "steps_scheduled_ahead": 4},  # no prefill yet
                {}]  # a core that is starting
     metrics.set_engine_stats("m", reports)
     got = _series(metrics.render().decode())
@@ -25,3 +26,4 @@ def test_step_kinds_sum_over_replicas() -> None:
     assert got["shardserve:engine_prefill_steps_total" + label] == 2
     assert got["shardserve:engine_prefill_step_seconds_total" + label] == 0.5
     assert got["shardserve:scheduler_held_steps_total" + label] == 3
+    assert got["shardserve:engine_steps_scheduled_ahead_total" + label] == 4
