@@ -5,7 +5,9 @@
 # streams. Results land in $OUT (default ./gpu-results) as JSON plus the printed tables.
 #
 #   OUT=/tmp/gpu benchmarks/gpu_suite.sh [MODEL ...]   (default: bench-135m and bench-1b)
-# SERVE_ARGS adds `shardserve serve` flags (e.g. "--config more-ingress.yaml"); SKIP_ENGINE=1
+# SERVE_ARGS adds `shardserve serve` flags (e.g. "--config more-ingress.yaml"), ENGINE_ARGS
+# `bench engine` flags (async scheduling is on by default on GPUs: "--no-async-scheduling" gives
+# the engine that schedules after each step's result, for an A/B); SKIP_ENGINE=1
 # runs only the served load; CONCURRENCY (default "32 256") the stream counts.
 set -uo pipefail
 OUT=${OUT:-gpu-results}
@@ -20,7 +22,7 @@ for model in "${models[@]}"; do
   name=$(basename "$model")
   if [ -z "${SKIP_ENGINE:-}" ]; then
     echo "=== bench engine $model"
-    timeout 600 "${CLI[@]}" bench engine --model "$model" --kv-cache-gib 16 \
+    timeout 600 "${CLI[@]}" bench engine --model "$model" --kv-cache-gib 16 ${ENGINE_ARGS:-} \
       --result-json "$OUT/engine-$name.json" > "$OUT/engine-$name.txt" 2>&1
     grep -E "output_tokens_per_s|decode_only_step_ms|roofline_decode|elapsed_s|device" \
       "$OUT/engine-$name.txt"

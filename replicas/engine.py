@@ -526,9 +526,8 @@ class Engine:
         torch ops issued from a second thread bring up a second OpenMP team whose spinning
         threads slowed the forward by a third here."""
         started = time.perf_counter()
-        step = self._resolve(step)
-        self._sampled = {}
-        out = self.executor.execute(step)
+        sampled, self._sampled = self._sampled, {}  # (kept only until the next step)
+        out = self.executor.execute(self._resolve(step, sampled))
         bitmask = masks.result()
         if not sampling:
             return out, None, started
@@ -543,15 +542,17 @@ class Engine:
         self._sampled = {seq.seq_id: token for seq, token in zip(sampling, result.token_ids)}
         return out, result, started
 
-    def _resolve(self, step: StepInput) -> StepInput:
+    @staticmethod
+    def _resolve(step: StepInput, sampled: dict[int, int]) -> StepInput:
         """A row scheduled ahead ends in the placeholder of the token its sequence's previous
-        step sampled: the token, from that step (the one before this on this thread)."""
+        step sampled: the token, from `sampled` (that step's, the one before this on the
+        compute thread)."""
         if not any(row.token_ids[-1] == PENDING for row in step.rows):
             return step
         rows = []
         for row in step.rows:
             if row.token_ids[-1] == PENDING:
-                token = self._sampled.get(row.seq_id)  # type: ignore[arg-type]
+                token = sampled.get(row.seq_id)  # type: ignore[arg-type]
                 if token is None:
                     raise EngineError("the engine step before this one failed", status=503,
                                       type_="ServiceUnavailableError",

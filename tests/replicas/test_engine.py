@@ -670,3 +670,41 @@ async def test_async_scheduling_gives_the_tokens_of_steps_scheduled_one_after_an
     assert runs[True] == runs[False]
     longest = runs[True][5][0]
     assert len(longest[0]) == 128 and longest[2] == "length"
+
+
+async def test_a_failed_step_with_the_next_one_scheduled_ahead_fails_only_its_requests() -> None:
+    """Async scheduling, the engine in this process: the forward raises once, while the step
+    after it is queued already with placeholders for the failed step's tokens. The requests of
+    those steps fail (the later step cannot take tokens that were never sampled: it fails
+    too, not computing on placeholders); nothing hangs, every block comes back, and the next
+    requests get exactly the tokens they get on a fresh engine."""
+    core = LLMServer(ReplicaConfig(model=EMBEDDED_MODEL_ID, max_model_len=256, kv_cache_gib=0.02,
+                                   max_num_seqs=8, block_size=8, async_scheduling=True),
+                     in_process=True)
+    try:
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        prompts = _prompts(6, seed=51)
+        expected = [_tokens((await _collect(core, GenerateRequest(f"ok{i}", p, params)))[0])
+                    for i, p in enumerate(prompts)]
+        executor = core.core.engine.executor  # type: ignore[attr-defined]
+        execute, calls = executor.execute, []
+
+        def failing(step):
+            calls.append(step)
+            if len(calls) == 5:
+                raise RuntimeError("this forward fails on purpose")
+            return execute(step)
+
+        executor.execute = failing
+        results = await asyncio.gather(*(_collect(core, GenerateRequest(f"f{i}", p, params))
+                                         for i, p in enumerate(prompts)),
+                                       return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        assert failed and all(isinstance(r, RuntimeError | EngineError) for r in failed), failed
+        assert (await _settled(core))["steps_scheduled_ahead"] > 0
+        again = await asyncio.gather(*(_collect(core, GenerateRequest(f"again{i}", p, params))
+                                       for i, p in enumerate(prompts)))
+        assert [_tokens(a[0]) for a in again] == expected
+        assert (await _settled(core))["num_used_blocks"] == 0
+    finally:
+        core.close()
