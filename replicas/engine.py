@@ -428,8 +428,8 @@ class Engine:
             seq.num_computed_tokens += s.num_new_tokens
             if s.samples:
                 seq.token_ids.append(PENDING)
-                if (seq.num_output_tokens >= seq.params.max_tokens
-                        or len(seq) >= self.config.max_model_len):
+                if ((seq.num_output_tokens >= seq.params.max_tokens
+                     or len(seq) >= self.config.max_model_len) and seq in self.scheduler.running):
                     self.scheduler.running.remove(seq)  # _check_stop frees it
         step.advanced = True
         following = self._launch()
