@@ -398,10 +398,12 @@ def _draw_truncated(probs: torch.Tensor, tokens: torch.Tensor, rows: list[int],
         above = part > drawn
         ok = ((above.sum(-1) < top_k[pending]) & ((part * above).sum(-1) < top_p[pending])
               | ~above.any(-1))  # the most likely token is always in the set
-        pending = pending[~ok]
+        miss = ~ok
+        pending = pending[miss]
         if not pending.numel():
             return tokens
-        part = part[~ok].masked_fill_(part[~ok] <= drawn[~ok], 0.0)
+        part, drawn = part[miss], drawn[miss]
+        part.masked_fill_(part <= drawn, 0.0)
         probs[pending] = part
         tokens[pending] = _inverse_cdf(part, uniforms([rows[i] for i in pending.tolist()]))
     left = pending.tolist()
