@@ -159,13 +159,15 @@ int linear_bf16(const void *x, const void *w, const void *bias, void *y, int64_t
     uint16_t *ys = y;
     const int64_t panels = (N + PANEL - 1) / PANEL, panel_size = (K + 1) / 2 * 2 * PANEL;
     int64_t claimed = 0;
+    Stolen stolen;
+    stolen_init(&stolen, panels, num_threads);
 #pragma omp parallel num_threads(num_threads)
     if (CHUNKED(M, K)) {
         FOR_DEALT_AHEAD(t, after, panels, claimed)
             panel_rows(xs, ws + t * panel_size, bs, ys, M, N, K, t * PANEL,
                        after < panels ? ws + after * panel_size : NULL);
     } else {
-        FOR_WHOLE_PANELS(t, panels, M,
+        FOR_WHOLE_PANELS(t, panels, M, &stolen,
                          panel_rows(xs, ws + t * panel_size, bs, ys, M, N, K, t * PANEL, NULL))
     }
     return 0;
@@ -215,10 +217,12 @@ int linear_mixed(const void *x, const void *w, const void *bias, void *y, int64_
     const uint16_t *ws = w;
     float *ys = y;
     const int64_t panels = (N + PANEL_MIXED - 1) / PANEL_MIXED, panel_size = K * PANEL_MIXED;
+    Stolen stolen;
+    stolen_init(&stolen, panels, num_threads);
 #pragma omp parallel num_threads(num_threads)
     for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
         const int64_t m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
-        FOR_PANELS(t, panels, M,
+        FOR_PANELS(t, panels, M, &stolen,
                    mixed_panel_rows(xs, ws + t * panel_size, bs, ys, m0, m1, N, K, t * PANEL_MIXED))
     }
     return 0;

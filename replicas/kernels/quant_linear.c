@@ -512,9 +512,11 @@ static int linear_dot(const float *x, const uint8_t *ws, const float *bias, floa
     float *xs = xd + M * blocks;
     for (int64_t m = 0; m < M; m++)
         quantize_row(x + m * K, K, qx + m * K, xd + m * blocks, xs + m * blocks);
+    Stolen stolen;
+    stolen_init(&stolen, panels, num_threads);
 #pragma omp parallel num_threads(num_threads)
-    FOR_PANELS(t, panels, M, dot_panel_rows(qx, xd, xs, ws + t * panel_size, bias, y, M, N, K,
-                                            t * P))
+    FOR_PANELS(t, panels, M, &stolen,
+               dot_panel_rows(qx, xd, xs, ws + t * panel_size, bias, y, M, N, K, t * P))
     free(qx);
     free(xd);
     return 0;
@@ -698,12 +700,14 @@ int linear_q(const void *x, const void *w, const void *bias, void *y, int64_t M,
 #if BF_DOT
     if (xb != NULL) {
         int failed = 0;
+        Stolen stolen;
+        stolen_init(&stolen, panels, num_threads);
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
         {
             uint16_t *qw = malloc((size_t)(BF_CHUNK * QK * P) * sizeof(uint16_t));
             if (qw != NULL) {
-                FOR_PANELS(t, panels, M, bf16_panel(xb, xsum, qw, ws + t * panel_size, bs, ys, M,
-                                                    N, K, t * P))
+                FOR_PANELS(t, panels, M, &stolen,
+                           bf16_panel(xb, xsum, qw, ws + t * panel_size, bs, ys, M, N, K, t * P))
             }
             failed = qw == NULL;
             free(qw);
@@ -731,13 +735,15 @@ int linear_q(const void *x, const void *w, const void *bias, void *y, int64_t M,
             xsum[b] = t;
         }
     }
+    Stolen stolen;
+    stolen_init(&stolen, panels, num_threads);
 #pragma omp parallel num_threads(num_threads)
     {
         /* NULL (one tile of rows, or no memory): every tile unpacks in registers */
         float *unpacked = M > MIXED_ROWS ? malloc((size_t)K * P * sizeof(float)) : NULL;
         for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
             const int64_t m1 = m0 + ROW_BLOCK < M ? m0 + ROW_BLOCK : M;
-            FOR_PANELS(t, panels, M,
+            FOR_PANELS(t, panels, M, &stolen,
                        q_panel(h.qtype, xscaled ? xscaled : xs, ws + t * panel_size, unpacked,
                                xsum, bs, ys, m0, m1, N, K, t * P))
         }

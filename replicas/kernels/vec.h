@@ -6,6 +6,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "deal.h"
 #include "dtype.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -29,36 +30,38 @@
 #define ROW_BLOCK 48 /* rows of x per block: 48 x 1536 floats is 288 KiB */
 
 /* Inside a parallel region, BODY for each panel t < PANELS, split across the team. Calls of a few
-   rows stream their weights from memory: panels go in STREAM_RUNS contiguous runs, each a stretch
+   rows stream their weights from memory: each thread streams its own contiguous share, a stretch
    the prefetchers follow (panels dealt one at a time made single-stream decode steps 15-60%
-   slower), to whichever thread is free, so a thread preempted by the serving processes holds up
-   one run rather than a static half of the matrix that the whole team waits for at the region's
-   end. Decode batches are compute-bound: their panels go one at a time. With several row blocks
-   (prefill) each thread keeps the same panels from block to block, in its own L2. */
+   slower), and a thread that runs out takes the back half of the fullest share left (STOLEN, a
+   `Stolen` set up before the region: deal.h), so a thread preempted by the serving processes
+   holds up one panel rather than a static half of the matrix that the whole team waits for at
+   the region's end. (OpenMP's dynamic schedule over 8 runs a matrix did that too, but each run
+   was a new stream: 4-9% slower.) Decode batches are compute-bound: their panels go one at a
+   time. With several row blocks (prefill) each thread keeps the same panels from block to block,
+   in its own L2. STOLEN is used only for calls of up to STREAM_ROWS rows, one row block. */
 #define STREAM_ROWS 8
-#define STREAM_RUNS 8
-enum { DEAL_RUNS, DEAL_ONE, DEAL_STATIC };
-/* the dynamic modes differ only in the chunk: a run, or one panel */
-#define DEAL_PANELS(t, PANELS, MODE, BODY)                                                    \
-    if ((MODE) != DEAL_STATIC) {                                                              \
-        const int64_t run_ =                                                                  \
-            (MODE) == DEAL_RUNS ? ((PANELS) + STREAM_RUNS - 1) / STREAM_RUNS : 1;             \
-        _Pragma("omp for schedule(dynamic, run_) nowait")                                    \
+enum { DEAL_STOLEN, DEAL_ONE, DEAL_STATIC };
+#define DEAL_PANELS(t, PANELS, MODE, STOLEN, BODY)                                            \
+    if ((MODE) == DEAL_STOLEN) {                                                              \
+        FOR_STOLEN(t, STOLEN, BODY)                                                           \
+    } else if ((MODE) == DEAL_ONE) {                                                          \
+        _Pragma("omp for schedule(dynamic, 1) nowait")                                       \
         for (int64_t t = 0; t < (PANELS); t++) BODY;                                          \
     } else {                                                                                  \
         _Pragma("omp for schedule(static) nowait")                                           \
         for (int64_t t = 0; t < (PANELS); t++) BODY;                                          \
     }
-#define FOR_PANELS(t, PANELS, M, BODY)                                                          \
+#define FOR_PANELS(t, PANELS, M, STOLEN, BODY)                                                  \
     DEAL_PANELS(t, PANELS,                                                                      \
-                (M) <= STREAM_ROWS ? DEAL_RUNS : (M) <= ROW_BLOCK ? DEAL_ONE : DEAL_STATIC, BODY)
+                (M) <= STREAM_ROWS ? DEAL_STOLEN : (M) <= ROW_BLOCK ? DEAL_ONE : DEAL_STATIC,   \
+                STOLEN, BODY)
 /* The same for calls that take all of a panel's rows at once (no row blocks: nothing to keep in
    L2 from one block to the next): above STREAM_ROWS panels always go one at a time, prefill
    included, so a thread preempted by the serving processes holds up one panel rather than half
    the matrix (served prefill steps ran 1.2-1.3x the engine alone's per prompt token on 2
    cores, 1.16x after; alone it costs nothing: 971 GFLOP/s, 99% of vdpbf16ps, at 2048 rows). */
-#define FOR_WHOLE_PANELS(t, PANELS, M, BODY) \
-    DEAL_PANELS(t, PANELS, (M) <= STREAM_ROWS ? DEAL_RUNS : DEAL_ONE, BODY)
+#define FOR_WHOLE_PANELS(t, PANELS, M, STOLEN, BODY) \
+    DEAL_PANELS(t, PANELS, (M) <= STREAM_ROWS ? DEAL_STOLEN : DEAL_ONE, STOLEN, BODY)
 
 typedef float vf __attribute__((vector_size(VBYTES)));
 typedef uint32_t vu __attribute__((vector_size(VBYTES)));

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -269,6 +270,45 @@ def test_linear_mixed_matches_float32_linear(rows: int, n: int, k: int, bias: bo
     # float32 sums in another order than torch's: within float32's rounding of the sum
     bound = 1e-6 * (x.double().abs() @ w.double().abs().T) + 1e-6
     assert ((out.double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.skipif(kernels.load() is None, reason="no native kernels here")
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_few_row_calls_give_the_same_bits_on_any_team(rows: int) -> None:
+    """Up to 8 rows each thread streams a share of the panels and steals from the others'
+    (deal.h's `Stolen`). Teams larger than the panels, than the ranges' split and than the
+    cores (whose threads the OS preempts, so stealing happens) must still compute every panel
+    exactly once: the same bits as one thread, call after call."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from replicas import quant
+
+    g = torch.Generator().manual_seed(rows)
+    calls = []
+    for n, k in [(13, 64), (96, 576), (1000, 64)]:  # 1, 3 and 32 panels of 32 columns
+        x = torch.randn(rows, k, generator=g)
+        w = torch.randn(n, k, generator=g).bfloat16()
+        calls.append(lambda x=x, p=kernels.pack_mixed(w.float()), n=n:
+                     kernels.linear_mixed(x, p, n))
+        raw = torch.from_numpy(np.ascontiguousarray(quantize(
+            w.float().numpy(), GGMLQuantizationType.Q4_1)))
+        calls.append(lambda x=x, p=quant.pack(raw, quant.Q4_1, kernels.float32_panel()), n=n:
+                     kernels.linear_q(x, p, n))
+        if _fast_linear():
+            calls.append(lambda x=x.bfloat16(), p=kernels.pack_linear(w), n=n:
+                         kernels.linear(x, p, n))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [call() for call in calls]
+        for team in (2, 3, 5, 8):
+            torch.set_num_threads(team)
+            for _ in range(20):
+                for call, want in zip(calls, alone, strict=True):
+                    assert torch.equal(call(), want), team
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_only_exact_bf16_weights_are_kept_as_bf16() -> None:
