@@ -47,13 +47,15 @@ INLINE void store_row(void *dst, int64_t offset, int dtype, const float *src, in
     }
 }
 
-/* s[j] = exp(s[j] - max s) in place, n >= 1; returns their sum (the softmax's denominator).
+/* s[j] = exp(s[j] - max s) in place, n >= 1; returns their sum (the softmax's denominator) and
+   leaves max s in *max.
    The maximum starts from s[0], not -INFINITY: under -ffast-math the compiler may assume no
    infinities, and GCC 12's SVE vectorisation of the max from -INFINITY returned garbage (caught
    by tests/replicas/test_cross_isa.py under qemu). */
-INLINE float exp_shifted(float *s, int64_t n) {
+INLINE float exp_shifted(float *s, int64_t n, float *max) {
     float m = s[0], sum = 0.0f;
     for (int64_t j = 1; j < n; j++) m = s[j] > m ? s[j] : m;
+    *max = m;
 #pragma omp simd reduction(+ : sum)
     for (int64_t j = 0; j < n; j++) {
         s[j] = exp_approx(s[j] - m);
@@ -200,6 +202,18 @@ INLINE void prefetch_next(const Next *next, const void *k_cache, const void *v_c
     }
 }
 
+/* Long contexts are split into parts of PART_TOKENS (whole blocks), each its own task, so that one
+   row's few (row, kv head) tasks spread over the team: one stream of bench-135m (3 KV heads) on
+   2 threads had one thread attend over two heads' contexts while the other had one. A part's
+   task leaves its result unnormalised here; `combine` then weighs the parts by their maxima
+   (flash-decoding's split-KV). Whether a row is split depends on its own length alone, never on
+   the batch, so a request's tokens do not change with what runs beside it. */
+#define PART_TOKENS 512
+typedef struct {
+    float *max, *sum; /* [group]: the part's largest score, the sum of exp(score - max) */
+    float *acc;       /* [group, head_dim]: the values weighed by exp(score - max) */
+} Part;
+
 #if defined(__AVX512BF16__)
 /* bf16 caches with 16-token blocks on CPUs with AVX512_BF16: products straight from the cached
    bf16 with vdpbf16ps (fp32 sums), no conversion of keys and values to float first. Scores of 16
@@ -258,7 +272,7 @@ INLINE void values_dp(const uint16_t *pg, int64_t len, int64_t gn, const uint16_
 INLINE int attend_dp(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                      const int64_t *table, int64_t len, uint16_t *out, int64_t b, int64_t h,
                      int64_t heads, int64_t group, const int64_t chunks, int64_t slots,
-                     float scale, const Next *next) {
+                     float scale, const Next *next, const Part *part) {
     const int64_t head_dim = 32 * chunks, elems = 16 * head_dim;
     const int64_t head_base = h * slots * head_dim, blocks = (len + 15) / 16;
     /* scores [group, len] in float, then the same as bf16 probabilities */
@@ -279,8 +293,10 @@ INLINE int attend_dp(const uint16_t *q, const uint16_t *k_cache, const uint16_t 
             scores_dp(qrow + g * head_dim, kb, chunks, n, scale, scores + g * len + 16 * i);
     }
     for (int64_t g = 0; g < group; g++) {
-        float *sg = scores + g * len;
-        const float inv = 1.0f / exp_shifted(sg, len);
+        float *sg = scores + g * len, max;
+        const float sum = exp_shifted(sg, len, &max);
+        const float inv = part ? 1.0f : 1.0f / sum;
+        if (part) part->max[g] = max, part->sum[g] = sum;
         uint32_t *bits = (uint32_t *)sg;
 #pragma omp simd
         for (int64_t j = 0; j < len; j++) {
@@ -306,12 +322,18 @@ INLINE int attend_dp(const uint16_t *q, const uint16_t *k_cache, const uint16_t 
             /* lanes 4l..4l+3 of lo hold dims 8l..8l+3 of their 32, of hi dims 8l+4..8l+7 */
             float lo[16], hi[16];
             uint16_t *o = out + (b * heads + h * group + g0 + g) * head_dim;
+            float *po = part ? part->acc + (g0 + g) * head_dim : NULL;
             for (int64_t c = 0; c < chunks; c++) {
                 _mm512_storeu_ps(lo, acc[g * 2 * chunks + 2 * c]);
                 _mm512_storeu_ps(hi, acc[g * 2 * chunks + 2 * c + 1]);
                 for (int l = 0; l < 4; l++)
                     for (int e = 0; e < 4; e++) {
                         float x = lo[4 * l + e], y = hi[4 * l + e];
+                        if (po) {
+                            po[32 * c + 8 * l + e] = x;
+                            po[32 * c + 8 * l + 4 + e] = y;
+                            continue;
+                        }
                         uint32_t xb, yb;
                         memcpy(&xb, &x, 4);
                         memcpy(&yb, &y, 4);
@@ -325,11 +347,12 @@ INLINE int attend_dp(const uint16_t *q, const uint16_t *k_cache, const uint16_t 
 }
 #endif
 
-/* One (row, kv head) task. Returns nonzero if its buffer could not be allocated. */
+/* One (row, kv head) task, or a part of one (`part`: see Part). Returns nonzero if its buffer
+   could not be allocated. */
 INLINE int attend(
     const void *q, const void *k_cache, const void *v_cache, const int64_t *table, int64_t len,
     void *out, int64_t b, int64_t h, int64_t heads, int64_t group, int64_t head_dim,
-    int64_t slots, int64_t block_size, float scale, int dtype) {
+    int64_t slots, int64_t block_size, float scale, int dtype, const Part *part) {
     const int64_t head_base = h * slots * head_dim;
     /* scores [group, len] | q [group, D] | acc [group, D] | one key or value row [D] |
        one block of keys in float [16, D] */
@@ -373,8 +396,13 @@ INLINE int attend(
         }
     }
     for (int64_t g = 0; g < group; g++) {
-        float *sg = scores + g * len;
-        const float inv = 1.0f / exp_shifted(sg, len);
+        float *sg = scores + g * len, max;
+        const float sum = exp_shifted(sg, len, &max);
+        if (part) {
+            part->max[g] = max, part->sum[g] = sum;
+            continue;
+        }
+        const float inv = 1.0f / sum;
         for (int64_t j = 0; j < len; j++) sg[j] *= inv;
     }
     memset(acc, 0, sizeof(float) * (size_t)(group * head_dim));
@@ -401,8 +429,36 @@ INLINE int attend(
             }
         }
     }
-    store_row(out, (b * heads + h * group) * head_dim, dtype, acc, group * head_dim);
+    if (part)
+        memcpy(part->acc, acc, sizeof(float) * (size_t)(group * head_dim));
+    else
+        store_row(out, (b * heads + h * group) * head_dim, dtype, acc, group * head_dim);
     return 0;
+}
+
+/* The parts of one (row, kv head) into its group's rows of out: each part's sums weighed by
+   exp(its max - the largest max). */
+INLINE void combine(const float *parts, int64_t count, int64_t group, int64_t head_dim,
+                    void *out, int64_t offset, int dtype, float *row) {
+    const int64_t stride = group * (2 + head_dim);
+    for (int64_t g = 0; g < group; g++) {
+        float max = parts[g];
+        for (int64_t p = 1; p < count; p++)
+            max = parts[p * stride + g] > max ? parts[p * stride + g] : max;
+        float sum = 0.0f;
+        memset(row, 0, sizeof(float) * (size_t)head_dim);
+        for (int64_t p = 0; p < count; p++) {
+            const float *part = parts + p * stride;
+            const float w = expf(part[g] - max);
+            sum += w * part[group + g];
+            const float *acc = part + 2 * group + g * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; d++) row[d] += w * acc[d];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t d = 0; d < head_dim; d++) row[d] *= inv;
+        store_row(out, offset + g * head_dim, dtype, row, head_dim);
+    }
 }
 
 #if defined(__AVX512BF16__)
@@ -411,8 +467,9 @@ INLINE int attend(
 INLINE int attend_dp_any(const void *q, const void *k, const void *v, const int64_t *table,
                          int64_t len, void *out, int64_t b, int64_t h, int64_t heads,
                          int64_t group, int64_t head_dim, int64_t slots, float scale,
-                         const Next *next) {
-#define DP(CH) attend_dp(q, k, v, table, len, out, b, h, heads, group, CH, slots, scale, next)
+                         const Next *next, const Part *part) {
+#define DP(CH) \
+    attend_dp(q, k, v, table, len, out, b, h, heads, group, CH, slots, scale, next, part)
     switch (head_dim / 32) {
     case 2: return DP(2);
     case 4: return DP(4);
@@ -426,40 +483,131 @@ INLINE int attend_dp_any(const void *q, const void *k, const void *v, const int6
 #define ATTEND_DP(...) 0
 #endif
 
+/* A decode step's tasks: row b's are first[b] .. first[b + 1], its kv heads' parts in turn
+   (parts[b] each); first is NULL where no row is split (task t: row t / kv_heads). */
+typedef struct {
+    int64_t *first, *parts;
+    int64_t rows, kv_heads, part_blocks, tasks;
+} Tasks;
+
+/* NULL arrays and every row whole where none is longer than a part (most steps); returns
+   nonzero where an array could not be allocated. */
+static int plan_tasks(Tasks *t, const int64_t *lens, int64_t batch, int64_t kv_heads,
+                      int64_t block_size) {
+    t->rows = batch, t->kv_heads = kv_heads;
+    t->part_blocks = PART_TOKENS / block_size > 0 ? PART_TOKENS / block_size : 1;
+    t->first = t->parts = NULL;
+    t->tasks = batch * kv_heads;
+    const int64_t part_len = t->part_blocks * block_size;
+    int64_t b = 0;
+    while (b < batch && lens[b] <= part_len) b++;
+    if (b == batch) return 0;
+    t->first = malloc(sizeof(int64_t) * (size_t)(2 * batch + 1));
+    if (t->first == NULL) return 1;
+    t->parts = t->first + batch + 1;
+    t->first[0] = 0;
+    for (b = 0; b < batch; b++) {
+        t->parts[b] = lens[b] > part_len ? (lens[b] + part_len - 1) / part_len : 1;
+        t->first[b + 1] = t->first[b] + t->parts[b] * kv_heads;
+    }
+    t->tasks = t->first[batch];
+    return 0;
+}
+
+/* Task `task`'s row, kv head and part (and the row's part count) */
+INLINE void task_of(const Tasks *t, int64_t task, int64_t *b, int64_t *h, int64_t *p,
+                    int64_t *count) {
+    if (t->first == NULL) {
+        *b = task / t->kv_heads, *h = task % t->kv_heads, *p = 0, *count = 1;
+        return;
+    }
+    int64_t lo = 0, hi = t->rows; /* the row: first[lo] <= task < first[lo + 1] */
+    while (hi - lo > 1) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (t->first[mid] <= task) lo = mid; else hi = mid;
+    }
+    *b = lo, *count = t->parts[lo];
+    const int64_t r = task - t->first[lo];
+    *h = r / *count, *p = r % *count;
+}
+
 /* q, out: [B, H, D]; k_cache, v_cache: [Hkv, num_blocks * block_size, D];
    block_tables: [B, max_blocks]; context_lens: [B]. Returns nonzero if a buffer failed.
    One function per dtype, each with its own parallel region, so the dtype is a constant inside
-   the outlined loop body. (row, kv head) tasks are dealt ahead (deal.h), so that each can ask
-   for the next one's blocks meanwhile (`Next`). */
+   the outlined loop body. (row, kv head, part) tasks are dealt ahead (deal.h), so that each can
+   ask for the next one's blocks meanwhile (`Next`); the parts of split rows are combined after. */
 #define EXPORT(NAME, DTYPE)                                                                     \
     int NAME(const void *q, const void *k, const void *v, const int64_t *tables,                \
              const int64_t *lens, void *out, int64_t batch, int64_t heads, int64_t kv_heads,    \
              int64_t head_dim, int64_t num_blocks, int64_t block_size, int64_t max_blocks,      \
              float scale, int num_threads) {                                                    \
         const int64_t group = heads / kv_heads, slots = num_blocks * block_size;                \
-        const int64_t tasks = batch * kv_heads;                                                 \
+        Tasks plan;                                                                             \
+        if (plan_tasks(&plan, lens, batch, kv_heads, block_size)) return 1;                    \
+        const int64_t tasks = plan.tasks, pb = plan.part_blocks, stride = group * (2 + head_dim); \
+        float *partials = NULL;                                                                 \
+        if (plan.first != NULL) {                                                               \
+            partials = malloc(sizeof(float) * (size_t)(tasks * stride));                        \
+            if (partials == NULL) {                                                             \
+                free(plan.first);                                                               \
+                return 1;                                                                       \
+            }                                                                                   \
+        }                                                                                       \
         int failed = 0;                                                                         \
         int64_t claimed = 0;                                                                    \
         _Pragma("omp parallel num_threads(num_threads)") {                                      \
             FOR_DEALT_AHEAD(task, after, tasks, claimed) {                                      \
-                const int64_t b = task / kv_heads, h = task % kv_heads;                         \
+                int64_t b, h, p, count;                                                         \
+                task_of(&plan, task, &b, &h, &p, &count);                                       \
+                const int64_t *table = tables + b * max_blocks + p * pb;                        \
+                const int64_t len = count == 1 ? lens[b]                                        \
+                    : (lens[b] - p * pb * block_size < pb * block_size                          \
+                       ? lens[b] - p * pb * block_size : pb * block_size);                     \
+                Part part = {NULL, NULL, NULL};                                                 \
+                if (count > 1) {                                                                \
+                    float *slot = partials + task * stride;                                     \
+                    part = (Part){slot, slot + group, slot + 2 * group};                        \
+                }                                                                               \
+                const Part *into = count == 1 ? NULL : &part;                                   \
                 if (DP_OK(DTYPE, block_size, head_dim)) {                                       \
                     Next next = {NULL, 0, 0};                                                   \
                     if (after < tasks) {                                                        \
-                        const int64_t nb = after / kv_heads;                                    \
-                        next.table = tables + nb * max_blocks;                                  \
-                        next.blocks = (lens[nb] + block_size - 1) / block_size;                 \
-                        next.head_base = after % kv_heads * slots * head_dim;                   \
+                        int64_t nb, nh, np, ncount;                                             \
+                        task_of(&plan, after, &nb, &nh, &np, &ncount);                          \
+                        const int64_t rest = lens[nb] - np * pb * block_size;                   \
+                        const int64_t nlen = ncount == 1 ? lens[nb]                             \
+                            : rest < pb * block_size ? rest : pb * block_size;                  \
+                        next.table = tables + nb * max_blocks + np * pb;                        \
+                        next.blocks = (nlen + block_size - 1) / block_size;                     \
+                        next.head_base = nh * slots * head_dim;                                 \
                     }                                                                           \
-                    if (ATTEND_DP(q, k, v, tables + b * max_blocks, lens[b], out, b, h, heads,  \
-                                  group, head_dim, slots, scale, after < tasks ? &next : NULL)) \
+                    if (ATTEND_DP(q, k, v, table, len, out, b, h, heads, group, head_dim,       \
+                                  slots, scale, after < tasks ? &next : NULL, into))            \
                         failed = 1;                                                             \
-                } else if (attend(q, k, v, tables + b * max_blocks, lens[b], out, b, h, heads,  \
-                                  group, head_dim, slots, block_size, scale, DTYPE)) {          \
+                } else if (attend(q, k, v, table, len, out, b, h, heads, group, head_dim,       \
+                                  slots, block_size, scale, DTYPE, into)) {                     \
                     failed = 1;                                                                 \
                 }                                                                               \
             }                                                                                   \
+            if (partials != NULL) {                                                             \
+                _Pragma("omp barrier")                                                          \
+                float *row = scratch(sizeof(float) * (size_t)head_dim);                         \
+                _Pragma("omp for schedule(dynamic, 1) nowait")                                  \
+                for (int64_t i = 0; i < batch * kv_heads; i++) {                                \
+                    const int64_t b = i / kv_heads, h = i % kv_heads;                           \
+                    if (plan.parts[b] == 1) continue;                                           \
+                    if (row == NULL) {                                                          \
+                        failed = 1;                                                             \
+                        continue;                                                               \
+                    }                                                                           \
+                    combine(partials + (plan.first[b] + h * plan.parts[b]) * stride,            \
+                            plan.parts[b], group, head_dim, out,                                \
+                            (b * heads + h * group) * head_dim, DTYPE, row);                    \
+                }                                                                               \
+            }                                                                                   \
         }                                                                                       \
+        free(partials);                                                                         \
+        free(plan.first);                                                                       \
         return failed;                                                                          \
     }
 

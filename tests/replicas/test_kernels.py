@@ -14,13 +14,14 @@ pytestmark = pytest.mark.skipif(kernels.load() is None, reason="no C compiler fo
 KV_HEADS, BLOCKS, BLOCK = 2, 64, 16
 
 
-def _case(dtype: torch.dtype, heads: int, lens: list[int], seed: int = 0, dim: int = 64):
+def _case(dtype: torch.dtype, heads: int, lens: list[int], seed: int = 0, dim: int = 64,
+          blocks: int = BLOCKS):
     g = torch.Generator().manual_seed(seed)
-    k_cache = torch.randn(KV_HEADS, BLOCKS * BLOCK, dim, generator=g).to(dtype)
-    v_cache = torch.randn(KV_HEADS, BLOCKS * BLOCK, dim, generator=g).to(dtype)
+    k_cache = torch.randn(KV_HEADS, blocks * BLOCK, dim, generator=g).to(dtype)
+    v_cache = torch.randn(KV_HEADS, blocks * BLOCK, dim, generator=g).to(dtype)
     width = max(-(-n // BLOCK) for n in lens)
     # every row draws its blocks from a shuffled pool, as after many allocations and frees
-    pool = torch.randperm(BLOCKS, generator=g)
+    pool = torch.randperm(blocks, generator=g)
     tables = torch.stack([pool[i * width:(i + 1) * width] for i in range(len(lens))])
     q = torch.randn(len(lens), heads, dim, generator=g).to(dtype)
     return q, k_cache, v_cache, tables, torch.tensor(lens)
@@ -51,6 +52,44 @@ def test_kernel_matches_reference(dtype: torch.dtype, atol: float, heads: int, d
     assert out.dtype == dtype and out.shape == q.shape
     ref = _reference(q, k_cache, v_cache, tables, lens_t, 0.3)
     torch.testing.assert_close(out.double(), ref, atol=atol, rtol=0)
+
+
+# contexts past one part (PART_TOKENS = 512 in paged_attention.c) are split and combined: a
+# part's last block ragged or whole, two parts and three, beside unsplit rows
+LONG = [513, 1100, 512, 40, 1024, 1537]
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads", [2, 6])
+@pytest.mark.parametrize("dim", [48, 64, 128])
+def test_long_contexts_are_split_and_combined(dtype: torch.dtype, atol: float, heads: int,
+                                              dim: int) -> None:
+    q, k_cache, v_cache, tables, lens_t = _case(dtype, heads, LONG, dim=dim, blocks=600)
+    out = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens_t, BLOCK, 0.3)
+    ref = _reference(q, k_cache, v_cache, tables, lens_t, 0.3)
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_bits_do_not_depend_on_its_batch_or_team(dtype: torch.dtype) -> None:
+    """A row is split by its own length alone, and its parts combined in one order: alone, in
+    any batch and on any team it gives the same bits (a request's tokens must not change with
+    what runs beside it)."""
+    q, k_cache, v_cache, tables, lens_t = _case(dtype, 6, LONG, dim=64, blocks=600)
+    batch = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens_t, BLOCK, 0.3)
+    for b in range(len(LONG)):
+        alone = kernels.paged_decode_attention(q[b:b + 1], k_cache, v_cache, tables[b:b + 1],
+                                               lens_t[b:b + 1], BLOCK, 0.3)
+        assert torch.equal(alone[0], batch[b]), b
+    threads = torch.get_num_threads()
+    try:
+        for team in (1, 3, 8):
+            torch.set_num_threads(team)
+            again = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens_t, BLOCK,
+                                                   0.3)
+            assert torch.equal(again, batch), team
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
