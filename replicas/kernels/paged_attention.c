@@ -3,8 +3,9 @@
    One query token per row. The cache of one layer is [kv_heads, num_blocks, block_size, head_dim];
    row b's context is the first context_lens[b] slots of the blocks block_tables[b, :]. The query
    heads of one KV head are done together, so each key and value row is loaded (and converted to
-   float) once for all of them. Work is split over (row, kv head) pairs with OpenMP; the library
-   links the libgomp torch has loaded, so it shares torch's thread pool instead of adding one.
+   float) once for all of them. Work is split over (row, kv head) pairs with OpenMP, and a context
+   past PART_TOKENS over parts of it too (Part, combine); the library links the libgomp torch has
+   loaded, so it shares torch's thread pool instead of adding one.
 
    Built by replicas/kernels/__init__.py with -O3 and -ffast-math; the softmax's exp is
    exp_approx.h's, inline and vectorised. */
