@@ -203,13 +203,15 @@ INLINE void prefetch_next(const Next *next, const void *k_cache, const void *v_c
     }
 }
 
-/* Long contexts are split into parts of PART_TOKENS (whole blocks), each its own task, so that one
+/* Contexts past PART_TOKENS are split into equal parts of at most that many (whole blocks), each
+   its own task, so that one
    row's few (row, kv head) tasks spread over the team: one stream of bench-135m (3 KV heads) on
    2 threads had one thread attend over two heads' contexts while the other had one. A part's
    task leaves its result unnormalised here; `combine` then weighs the parts by their maxima
    (flash-decoding's split-KV). Whether a row is split depends on its own length alone, never on
    the batch, so a request's tokens do not change with what runs beside it. */
-#define PART_TOKENS 512
+#define PART_TOKENS 1024
+#define WAVE_TASKS 4096 /* see EXPORT */
 typedef struct {
     float *max, *sum; /* [group]: the part's largest score, the sum of exp(score - max) */
     float *acc;       /* [group, head_dim]: the values weighed by exp(score - max) */
@@ -484,52 +486,73 @@ INLINE int attend_dp_any(const void *q, const void *k, const void *v, const int6
 #define ATTEND_DP(...) 0
 #endif
 
+/* The calling thread's buffer for its calls' partial results, grown (never shrunk) */
+static __thread float *partial_buf;
+static __thread size_t partial_bytes;
+
+static float *partial_buffer(size_t bytes) {
+    if (bytes > partial_bytes) {
+        free(partial_buf);
+        partial_bytes = bytes + bytes / 4;
+        partial_buf = malloc(partial_bytes);
+        if (partial_buf == NULL) partial_bytes = 0;
+    }
+    return partial_buf;
+}
+
 /* A decode step's tasks: row b's are first[b] .. first[b + 1], its kv heads' parts in turn
-   (parts[b] each); first is NULL where no row is split (task t: row t / kv_heads). */
+   (parts[b] of per[b] blocks each, the last one shorter); first is NULL where no row is split
+   (task t: row t / kv_heads). */
 typedef struct {
-    int64_t *first, *parts;
-    int64_t rows, kv_heads, part_blocks, tasks;
+    int64_t *first, *parts, *per;
+    int64_t rows, kv_heads, block_size, tasks;
 } Tasks;
 
 /* NULL arrays and every row whole where none is longer than a part (most steps); returns
    nonzero where an array could not be allocated. */
 static int plan_tasks(Tasks *t, const int64_t *lens, int64_t batch, int64_t kv_heads,
                       int64_t block_size) {
-    t->rows = batch, t->kv_heads = kv_heads;
-    t->part_blocks = PART_TOKENS / block_size > 0 ? PART_TOKENS / block_size : 1;
-    t->first = t->parts = NULL;
+    const int64_t most = PART_TOKENS / block_size > 0 ? PART_TOKENS / block_size : 1;
+    t->rows = batch, t->kv_heads = kv_heads, t->block_size = block_size;
+    t->first = t->parts = t->per = NULL;
     t->tasks = batch * kv_heads;
-    const int64_t part_len = t->part_blocks * block_size;
     int64_t b = 0;
-    while (b < batch && lens[b] <= part_len) b++;
+    while (b < batch && lens[b] <= most * block_size) b++;
     if (b == batch) return 0;
-    t->first = malloc(sizeof(int64_t) * (size_t)(2 * batch + 1));
+    t->first = malloc(sizeof(int64_t) * (size_t)(3 * batch + 1));
     if (t->first == NULL) return 1;
-    t->parts = t->first + batch + 1;
+    t->parts = t->first + batch + 1, t->per = t->parts + batch;
     t->first[0] = 0;
     for (b = 0; b < batch; b++) {
-        t->parts[b] = lens[b] > part_len ? (lens[b] + part_len - 1) / part_len : 1;
+        const int64_t blocks = (lens[b] + block_size - 1) / block_size;
+        /* equal parts, none empty: a 1,100-token row is two of 560 and 540, not 1,024 and 76 */
+        const int64_t count = (blocks + most - 1) / most;
+        t->per[b] = (blocks + count - 1) / count;
+        t->parts[b] = (blocks + t->per[b] - 1) / t->per[b];
         t->first[b + 1] = t->first[b] + t->parts[b] * kv_heads;
     }
     t->tasks = t->first[batch];
     return 0;
 }
 
-/* Task `task`'s row, kv head and part (and the row's part count) */
-INLINE void task_of(const Tasks *t, int64_t task, int64_t *b, int64_t *h, int64_t *p,
-                    int64_t *count) {
+/* Task `task`: its row, kv head, part count, and the part's first block and token count.
+   *row: a thread's cursor, 0 before its first task: a thread's tasks come in increasing order
+   (deal.h), so it only ever moves forward (a binary search a task cost 3% of a 600-token
+   prefill's attention). */
+INLINE void task_of(const Tasks *t, const int64_t *lens, int64_t task, int64_t *row, int64_t *b,
+                    int64_t *h, int64_t *count, int64_t *block0, int64_t *len) {
     if (t->first == NULL) {
-        *b = task / t->kv_heads, *h = task % t->kv_heads, *p = 0, *count = 1;
+        *b = task / t->kv_heads, *h = task % t->kv_heads, *count = 1;
+        *block0 = 0, *len = lens[*b];
         return;
     }
-    int64_t lo = 0, hi = t->rows; /* the row: first[lo] <= task < first[lo + 1] */
-    while (hi - lo > 1) {
-        const int64_t mid = lo + (hi - lo) / 2;
-        if (t->first[mid] <= task) lo = mid; else hi = mid;
-    }
-    *b = lo, *count = t->parts[lo];
-    const int64_t r = task - t->first[lo];
-    *h = r / *count, *p = r % *count;
+    while (t->first[*row + 1] <= task) ++*row;
+    *b = *row, *count = t->parts[*row];
+    const int64_t r = task - t->first[*row], p = r % *count;
+    *h = r / *count;
+    *block0 = p * t->per[*row];
+    const int64_t start = *block0 * t->block_size, end = start + t->per[*row] * t->block_size;
+    *len = (end < lens[*b] ? end : lens[*b]) - start;
 }
 
 /* q, out: [B, H, D]; k_cache, v_cache: [Hkv, num_blocks * block_size, D];
@@ -545,10 +568,18 @@ INLINE void task_of(const Tasks *t, int64_t task, int64_t *b, int64_t *h, int64_
         const int64_t group = heads / kv_heads, slots = num_blocks * block_size;                \
         Tasks plan;                                                                             \
         if (plan_tasks(&plan, lens, batch, kv_heads, block_size)) return 1;                    \
-        const int64_t tasks = plan.tasks, pb = plan.part_blocks, stride = group * (2 + head_dim); \
+        const int64_t tasks = plan.tasks, stride = group * (2 + head_dim);                      \
+        /* split rows go in waves of at most WAVE_TASKS tasks (whole rows), each ended by its  \
+           combines: the partial results of a long prefill chunk's every part would not fit */ \
+        const int64_t wave_tasks = plan.first == NULL ? tasks : WAVE_TASKS;                     \
         float *partials = NULL;                                                                 \
         if (plan.first != NULL) {                                                               \
-            partials = malloc(sizeof(float) * (size_t)(tasks * stride));                        \
+            int64_t widest = 0;                                                                 \
+            for (int64_t b = 0; b < batch; b++)                                                 \
+                widest = plan.first[b + 1] - plan.first[b] > widest                             \
+                             ? plan.first[b + 1] - plan.first[b] : widest;                      \
+            partials = partial_buffer(sizeof(float) * (size_t)((wave_tasks > widest             \
+                                                                ? wave_tasks : widest) * stride)); \
             if (partials == NULL) {                                                             \
                 free(plan.first);                                                               \
                 return 1;                                                                       \
@@ -557,57 +588,62 @@ INLINE void task_of(const Tasks *t, int64_t task, int64_t *b, int64_t *h, int64_
         int failed = 0;                                                                         \
         int64_t claimed = 0;                                                                    \
         _Pragma("omp parallel num_threads(num_threads)") {                                      \
-            FOR_DEALT_AHEAD(task, after, tasks, claimed) {                                      \
-                int64_t b, h, p, count;                                                         \
-                task_of(&plan, task, &b, &h, &p, &count);                                       \
-                const int64_t *table = tables + b * max_blocks + p * pb;                        \
-                const int64_t len = count == 1 ? lens[b]                                        \
-                    : (lens[b] - p * pb * block_size < pb * block_size                          \
-                       ? lens[b] - p * pb * block_size : pb * block_size);                     \
-                Part part = {NULL, NULL, NULL};                                                 \
-                if (count > 1) {                                                                \
-                    float *slot = partials + task * stride;                                     \
-                    part = (Part){slot, slot + group, slot + 2 * group};                        \
-                }                                                                               \
-                const Part *into = count == 1 ? NULL : &part;                                   \
-                if (DP_OK(DTYPE, block_size, head_dim)) {                                       \
-                    Next next = {NULL, 0, 0};                                                   \
-                    if (after < tasks) {                                                        \
-                        int64_t nb, nh, np, ncount;                                             \
-                        task_of(&plan, after, &nb, &nh, &np, &ncount);                          \
-                        const int64_t rest = lens[nb] - np * pb * block_size;                   \
-                        const int64_t nlen = ncount == 1 ? lens[nb]                             \
-                            : rest < pb * block_size ? rest : pb * block_size;                  \
-                        next.table = tables + nb * max_blocks + np * pb;                        \
-                        next.blocks = (nlen + block_size - 1) / block_size;                     \
-                        next.head_base = nh * slots * head_dim;                                 \
+            int64_t cursor = 0, next_cursor = 0; /* task_of's, for this task and the next */    \
+            for (int64_t b0 = 0, t0 = 0; t0 < tasks;) {                                         \
+                /* this wave: rows b0 .. b1, tasks t0 .. t1 (every thread finds the same) */    \
+                int64_t b1 = b0 + 1, t1 = plan.first ? plan.first[b1] : tasks;                  \
+                while (plan.first && b1 < batch && plan.first[b1 + 1] - t0 <= wave_tasks)       \
+                    t1 = plan.first[++b1];                                                      \
+                if (!plan.first) b1 = batch;                                                    \
+                FOR_DEALT_AHEAD(task, after, t1, claimed) {                                     \
+                    int64_t b, h, count, block0, len;                                           \
+                    task_of(&plan, lens, task, &cursor, &b, &h, &count, &block0, &len);         \
+                    const int64_t *table = tables + b * max_blocks + block0;                    \
+                    Part part = {NULL, NULL, NULL};                                             \
+                    if (count > 1) {                                                            \
+                        float *slot = partials + (task - t0) * stride;                          \
+                        part = (Part){slot, slot + group, slot + 2 * group};                    \
                     }                                                                           \
-                    if (ATTEND_DP(q, k, v, table, len, out, b, h, heads, group, head_dim,       \
-                                  slots, scale, after < tasks ? &next : NULL, into))            \
+                    const Part *into = count == 1 ? NULL : &part;                               \
+                    if (DP_OK(DTYPE, block_size, head_dim)) {                                   \
+                        Next next = {NULL, 0, 0};                                               \
+                        if (after < t1) {                                                       \
+                            int64_t nb, nh, ncount, nblock0, nlen;                              \
+                            task_of(&plan, lens, after, &next_cursor, &nb, &nh, &ncount,        \
+                                    &nblock0, &nlen);                                           \
+                            next.table = tables + nb * max_blocks + nblock0;                    \
+                            next.blocks = (nlen + block_size - 1) / block_size;                 \
+                            next.head_base = nh * slots * head_dim;                             \
+                        }                                                                       \
+                        if (ATTEND_DP(q, k, v, table, len, out, b, h, heads, group, head_dim,   \
+                                      slots, scale, after < t1 ? &next : NULL, into))           \
+                            failed = 1;                                                         \
+                    } else if (attend(q, k, v, table, len, out, b, h, heads, group, head_dim,   \
+                                      slots, block_size, scale, DTYPE, into)) {                 \
                         failed = 1;                                                             \
-                } else if (attend(q, k, v, table, len, out, b, h, heads, group, head_dim,       \
-                                  slots, block_size, scale, DTYPE, into)) {                     \
-                    failed = 1;                                                                 \
+                    }                                                                           \
                 }                                                                               \
-            }                                                                                   \
-            if (partials != NULL) {                                                             \
+                if (plan.first == NULL) break;                                                  \
                 _Pragma("omp barrier")                                                          \
                 float *row = scratch(sizeof(float) * (size_t)head_dim);                         \
-                _Pragma("omp for schedule(dynamic, 1) nowait")                                  \
-                for (int64_t i = 0; i < batch * kv_heads; i++) {                                \
+                _Pragma("omp for schedule(static)")                                             \
+                for (int64_t i = b0 * kv_heads; i < b1 * kv_heads; i++) {                       \
                     const int64_t b = i / kv_heads, h = i % kv_heads;                           \
                     if (plan.parts[b] == 1) continue;                                           \
                     if (row == NULL) {                                                          \
                         failed = 1;                                                             \
                         continue;                                                               \
                     }                                                                           \
-                    combine(partials + (plan.first[b] + h * plan.parts[b]) * stride,            \
+                    combine(partials + (plan.first[b] + h * plan.parts[b] - t0) * stride,       \
                             plan.parts[b], group, head_dim, out,                                \
                             (b * heads + h * group) * head_dim, DTYPE, row);                    \
                 }                                                                               \
+                /* (the for's barrier: every combine read its partials before the next wave) */ \
+                _Pragma("omp single")                                                           \
+                claimed = t1;                                                                   \
+                b0 = b1, t0 = t1;                                                               \
             }                                                                                   \
         }                                                                                       \
-        free(partials);                                                                         \
         free(plan.first);                                                                       \
         return failed;                                                                          \
     }

@@ -54,9 +54,9 @@ def test_kernel_matches_reference(dtype: torch.dtype, atol: float, heads: int, d
     torch.testing.assert_close(out.double(), ref, atol=atol, rtol=0)
 
 
-# contexts past one part (PART_TOKENS = 512 in paged_attention.c) are split and combined: a
-# part's last block ragged or whole, two parts and three, beside unsplit rows
-LONG = [513, 1100, 512, 40, 1024, 1537]
+# contexts past one part (PART_TOKENS = 1024 in paged_attention.c) are split into equal parts
+# and combined: two parts and three, ragged and whole last blocks, beside unsplit rows
+LONG = [1025, 2100, 1024, 40, 2048, 3073]
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -64,7 +64,7 @@ LONG = [513, 1100, 512, 40, 1024, 1537]
 @pytest.mark.parametrize("dim", [48, 64, 128])
 def test_long_contexts_are_split_and_combined(dtype: torch.dtype, atol: float, heads: int,
                                               dim: int) -> None:
-    q, k_cache, v_cache, tables, lens_t = _case(dtype, heads, LONG, dim=dim, blocks=600)
+    q, k_cache, v_cache, tables, lens_t = _case(dtype, heads, LONG, dim=dim, blocks=1200)
     out = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens_t, BLOCK, 0.3)
     ref = _reference(q, k_cache, v_cache, tables, lens_t, 0.3)
     torch.testing.assert_close(out.double(), ref, atol=atol, rtol=0)
@@ -75,7 +75,7 @@ def test_a_rows_bits_do_not_depend_on_its_batch_or_team(dtype: torch.dtype) -> N
     """A row is split by its own length alone, and its parts combined in one order: alone, in
     any batch and on any team it gives the same bits (a request's tokens must not change with
     what runs beside it)."""
-    q, k_cache, v_cache, tables, lens_t = _case(dtype, 6, LONG, dim=64, blocks=600)
+    q, k_cache, v_cache, tables, lens_t = _case(dtype, 6, LONG, dim=64, blocks=1200)
     batch = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens_t, BLOCK, 0.3)
     for b in range(len(LONG)):
         alone = kernels.paged_decode_attention(q[b:b + 1], k_cache, v_cache, tables[b:b + 1],
@@ -90,6 +90,28 @@ def test_a_rows_bits_do_not_depend_on_its_batch_or_team(dtype: torch.dtype) -> N
             assert torch.equal(again, batch), team
     finally:
         torch.set_num_threads(threads)
+
+
+def test_many_split_rows_go_in_waves_with_the_same_bits() -> None:
+    """A long prefill chunk's split rows have more parts than one wave's partial results hold
+    (WAVE_TASKS = 4096 tasks): they go in waves, each combined before the next, and give the
+    bits each row gives in a small batch."""
+    g = torch.Generator().manual_seed(5)
+    rows, width = 1200, -(-2000 // BLOCK)
+    k_cache = torch.randn(KV_HEADS, width * BLOCK, 64, generator=g).bfloat16()
+    v_cache = torch.randn(KV_HEADS, width * BLOCK, 64, generator=g).bfloat16()
+    # a prompt's tokens past the 1,025th: every row shares the prompt's blocks
+    tables = torch.randperm(width, generator=g).expand(rows, width).contiguous()
+    lens = torch.arange(2000 - rows + 1, 2001)
+    q = torch.randn(rows, 6, 64, generator=g).bfloat16()
+    whole = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, BLOCK, 0.3)
+    for b in range(0, rows, 150):
+        part = kernels.paged_decode_attention(q[b:b + 150], k_cache, v_cache, tables[b:b + 150],
+                                              lens[b:b + 150], BLOCK, 0.3)
+        assert torch.equal(part, whole[b:b + 150]), b
+    pick = [0, 599, 1199]
+    ref = _reference(q[pick], k_cache, v_cache, tables[pick], lens[pick], 0.3)
+    torch.testing.assert_close(whole[pick].double(), ref, atol=2e-2, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
