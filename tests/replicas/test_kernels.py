@@ -54,9 +54,9 @@ def test_kernel_matches_reference(dtype: torch.dtype, atol: float, heads: int, d
     torch.testing.assert_close(out.double(), ref, atol=atol, rtol=0)
 
 
-# contexts past one part (PART_TOKENS = 1024 in paged_attention.c) are split into equal parts
+# contexts past one part (PART_TOKENS = 2048 in paged_attention.c) are split into equal parts
 # and combined: two parts and three, ragged and whole last blocks, beside unsplit rows
-LONG = [1025, 2100, 1024, 40, 2048, 3073]
+LONG = [2049, 4200, 2048, 40, 4096, 6145]
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -64,7 +64,7 @@ LONG = [1025, 2100, 1024, 40, 2048, 3073]
 @pytest.mark.parametrize("dim", [48, 64, 128])
 def test_long_contexts_are_split_and_combined(dtype: torch.dtype, atol: float, heads: int,
                                               dim: int) -> None:
-    q, k_cache, v_cache, tables, lens_t = _case(dtype, heads, LONG, dim=dim, blocks=1200)
+    q, k_cache, v_cache, tables, lens_t = _case(dtype, heads, LONG, dim=dim, blocks=2400)
     out = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens_t, BLOCK, 0.3)
     ref = _reference(q, k_cache, v_cache, tables, lens_t, 0.3)
     torch.testing.assert_close(out.double(), ref, atol=atol, rtol=0)
@@ -75,7 +75,7 @@ def test_a_rows_bits_do_not_depend_on_its_batch_or_team(dtype: torch.dtype) -> N
     """A row is split by its own length alone, and its parts combined in one order: alone, in
     any batch and on any team it gives the same bits (a request's tokens must not change with
     what runs beside it)."""
-    q, k_cache, v_cache, tables, lens_t = _case(dtype, 6, LONG, dim=64, blocks=1200)
+    q, k_cache, v_cache, tables, lens_t = _case(dtype, 6, LONG, dim=64, blocks=2400)
     batch = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens_t, BLOCK, 0.3)
     for b in range(len(LONG)):
         alone = kernels.paged_decode_attention(q[b:b + 1], k_cache, v_cache, tables[b:b + 1],
@@ -97,12 +97,12 @@ def test_many_split_rows_go_in_waves_with_the_same_bits() -> None:
     (WAVE_TASKS = 4096 tasks): they go in waves, each combined before the next, and give the
     bits each row gives in a small batch."""
     g = torch.Generator().manual_seed(5)
-    rows, width = 1200, -(-2000 // BLOCK)
+    rows, width = 1200, -(-4000 // BLOCK)
     k_cache = torch.randn(KV_HEADS, width * BLOCK, 64, generator=g).bfloat16()
     v_cache = torch.randn(KV_HEADS, width * BLOCK, 64, generator=g).bfloat16()
-    # a prompt's tokens past the 1,025th: every row shares the prompt's blocks
+    # a prompt's last tokens, each past one part: every row shares the prompt's blocks
     tables = torch.randperm(width, generator=g).expand(rows, width).contiguous()
-    lens = torch.arange(2000 - rows + 1, 2001)
+    lens = torch.arange(4000 - rows + 1, 4001)
     q = torch.randn(rows, 6, 64, generator=g).bfloat16()
     whole = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, BLOCK, 0.3)
     for b in range(0, rows, 150):
