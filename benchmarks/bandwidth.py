@@ -84,6 +84,17 @@ def cases(config: Any, dtype: Any) -> list[tuple[str, int, Callable[[], Any]]]:
                 2 * slots * kv_heads * head_dim * es,
                 lambda: kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, block,
                                                        head_dim ** -0.5)))
+    # one stream's long context: one row over the same caches, cut into layers of 4,000 tokens
+    # (a layer's row is a few KV heads' tasks, split into parts: paged_attention.c)
+    long = min(4000, slots // block * block)
+    layers = slots // long
+    tables1 = perm[:layers * (long // block)].view(layers, 1, long // block).to(torch.int64)
+    lens1 = torch.tensor([long], dtype=torch.int64)
+    q1 = q[:1].contiguous()
+    out.append((f"paged decode attention, 1 row x {long} tokens, {layers} layers",
+                2 * layers * long * kv_heads * head_dim * es,
+                lambda: [kernels.paged_decode_attention(q1, k_cache, v_cache, t, lens1, block,
+                                                        head_dim ** -0.5) for t in tables1]))
 
     # add + RMSNorm: reads x and the residual, writes the residual and the output
     tokens = STREAM_BYTES // (4 * hidden * es)

@@ -214,7 +214,9 @@ INLINE void prefetch_next(const Next *next, const void *k_cache, const void *v_c
    parts cost ~9% more than whole rows (parts of 512 and 1,024 made every prompt past those
    lengths pay it; at 2,048 few prompts on CPUs do). */
 #define PART_TOKENS 2048
-#define WAVE_TASKS 4096 /* see EXPORT */
+/* split rows' tasks per wave (EXPORT): their partial results, WAVE_TASKS x group x
+   (head_dim + 2) floats, are what the calling thread keeps between calls */
+#define WAVE_TASKS 4096
 typedef struct {
     float *max, *sum; /* [group]: the part's largest score, the sum of exp(score - max) */
     float *acc;       /* [group, head_dim]: the values weighed by exp(score - max) */
@@ -505,10 +507,10 @@ static float *partial_buffer(size_t bytes) {
 
 /* A decode step's tasks: row b's are first[b] .. first[b + 1], its kv heads' parts in turn
    (parts[b] of per[b] blocks each, the last one shorter); first is NULL where no row is split
-   (task t: row t / kv_heads). */
+   (then task t is row t / kv_heads's kv head t % kv_heads, whole). */
 typedef struct {
     int64_t *first, *parts, *per;
-    int64_t rows, kv_heads, block_size, tasks;
+    int64_t block_size, tasks;
 } Tasks;
 
 /* NULL arrays and every row whole where none is longer than a part (most steps); returns
@@ -516,7 +518,7 @@ typedef struct {
 static int plan_tasks(Tasks *t, const int64_t *lens, int64_t batch, int64_t kv_heads,
                       int64_t block_size) {
     const int64_t most = PART_TOKENS / block_size > 0 ? PART_TOKENS / block_size : 1;
-    t->rows = batch, t->kv_heads = kv_heads, t->block_size = block_size;
+    t->block_size = block_size;
     t->first = t->parts = t->per = NULL;
     t->tasks = batch * kv_heads;
     int64_t b = 0;
@@ -538,17 +540,13 @@ static int plan_tasks(Tasks *t, const int64_t *lens, int64_t batch, int64_t kv_h
     return 0;
 }
 
-/* Task `task`: its row, kv head, part count, and the part's first block and token count.
+/* Task `task` of a plan with split rows: its row, kv head, part count, and the part's first block
+   and token count.
    *row: a thread's cursor, 0 before its first task: a thread's tasks come in increasing order
    (deal.h), so it only ever moves forward (a binary search a task cost 3% of a 600-token
    prefill's attention). */
 INLINE void task_of(const Tasks *t, const int64_t *lens, int64_t task, int64_t *row, int64_t *b,
                     int64_t *h, int64_t *count, int64_t *block0, int64_t *len) {
-    if (t->first == NULL) {
-        *b = task / t->kv_heads, *h = task % t->kv_heads, *count = 1;
-        *block0 = 0, *len = lens[*b];
-        return;
-    }
     while (t->first[*row + 1] <= task) ++*row;
     *b = *row, *count = t->parts[*row];
     const int64_t r = task - t->first[*row], p = r % *count;
@@ -574,15 +572,14 @@ INLINE void task_of(const Tasks *t, const int64_t *lens, int64_t task, int64_t *
         const int64_t tasks = plan.tasks, stride = group * (2 + head_dim);                      \
         /* split rows go in waves of at most WAVE_TASKS tasks (whole rows), each ended by its  \
            combines: the partial results of a long prefill chunk's every part would not fit */ \
-        const int64_t wave_tasks = plan.first == NULL ? tasks : WAVE_TASKS;                     \
         float *partials = NULL;                                                                 \
         if (plan.first != NULL) {                                                               \
             int64_t widest = 0;                                                                 \
             for (int64_t b = 0; b < batch; b++)                                                 \
                 widest = plan.first[b + 1] - plan.first[b] > widest                             \
                              ? plan.first[b + 1] - plan.first[b] : widest;                      \
-            partials = partial_buffer(sizeof(float) * (size_t)((wave_tasks > widest             \
-                                                                ? wave_tasks : widest) * stride)); \
+            partials = partial_buffer(sizeof(float) * (size_t)((WAVE_TASKS > widest             \
+                                                                ? WAVE_TASKS : widest) * stride)); \
             if (partials == NULL) {                                                             \
                 free(plan.first);                                                               \
                 return 1;                                                                       \
@@ -619,10 +616,9 @@ INLINE void task_of(const Tasks *t, const int64_t *lens, int64_t task, int64_t *
             int64_t cursor = 0, next_cursor = 0; /* task_of's, for this task and the next */    \
             for (int64_t b0 = 0, t0 = 0; t0 < tasks;) {                                         \
                 /* this wave: rows b0 .. b1, tasks t0 .. t1 (every thread finds the same) */    \
-                int64_t b1 = b0 + 1, t1 = plan.first ? plan.first[b1] : tasks;                  \
-                while (plan.first && b1 < batch && plan.first[b1 + 1] - t0 <= wave_tasks)       \
+                int64_t b1 = b0 + 1, t1 = plan.first[b1];                                       \
+                while (b1 < batch && plan.first[b1 + 1] - t0 <= WAVE_TASKS)                     \
                     t1 = plan.first[++b1];                                                      \
-                if (!plan.first) b1 = batch;                                                    \
                 FOR_DEALT_AHEAD(task, after, t1, claimed) {                                     \
                     int64_t b, h, count, block0, len;                                           \
                     task_of(&plan, lens, task, &cursor, &b, &h, &count, &block0, &len);         \
@@ -651,7 +647,6 @@ INLINE void task_of(const Tasks *t, const int64_t *lens, int64_t task, int64_t *
                         failed = 1;                                                             \
                     }                                                                           \
                 }                                                                               \
-                if (plan.first == NULL) break;                                                  \
                 _Pragma("omp barrier")                                                          \
                 float *row = scratch(sizeof(float) * (size_t)head_dim);                         \
                 _Pragma("omp for schedule(static)")                                             \
