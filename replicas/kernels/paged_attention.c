@@ -154,20 +154,26 @@ INLINE void block_values16(
 }
 #endif
 
-/* A thread's scratch for its tasks' scores, grown (never shrunk) as contexts grow: a malloc
-   and free per (row, kv head) task, thousands a decode step, cost more than the softmax. */
-static __thread float *scratch_buf;
-static __thread size_t scratch_bytes;
+/* A buffer of a thread's, grown (never shrunk) as contexts grow: a malloc and free per
+   (row, kv head) task, thousands a decode step, cost more than the softmax. */
+typedef struct {
+    float *buf;
+    size_t bytes;
+} Grown;
 
-INLINE float *scratch(size_t bytes) {
-    if (bytes > scratch_bytes) {
-        free(scratch_buf);
-        scratch_bytes = bytes + bytes / 4;
-        scratch_buf = malloc(scratch_bytes);
-        if (scratch_buf == NULL) scratch_bytes = 0;
+INLINE float *grow(Grown *g, size_t bytes) {
+    if (bytes > g->bytes) {
+        free(g->buf);
+        g->bytes = bytes + bytes / 4;
+        g->buf = malloc(g->bytes);
+        if (g->buf == NULL) g->bytes = 0;
     }
-    return scratch_buf;
+    return g->buf;
 }
+
+/* a thread's scratch for its tasks' scores (and a combine's row) */
+static __thread Grown scratch_space;
+INLINE float *scratch(size_t bytes) { return grow(&scratch_space, bytes); }
 
 /* Asks for the cache lines of one block ahead of use: a row's blocks are scattered over the
    cache, so the hardware prefetcher cannot see the next one coming, and two threads each waiting
@@ -491,19 +497,8 @@ INLINE int attend_dp_any(const void *q, const void *k, const void *v, const int6
 #define ATTEND_DP(...) 0
 #endif
 
-/* The calling thread's buffer for its calls' partial results, grown (never shrunk) */
-static __thread float *partial_buf;
-static __thread size_t partial_bytes;
-
-static float *partial_buffer(size_t bytes) {
-    if (bytes > partial_bytes) {
-        free(partial_buf);
-        partial_bytes = bytes + bytes / 4;
-        partial_buf = malloc(partial_bytes);
-        if (partial_buf == NULL) partial_bytes = 0;
-    }
-    return partial_buf;
-}
+/* the calling thread's buffer for its calls' partial results (split rows: EXPORT) */
+static __thread Grown partial_space;
 
 /* A decode step's tasks: row b's are first[b] .. first[b + 1], its kv heads' parts in turn
    (parts[b] of per[b] blocks each, the last one shorter); first is NULL where no row is split
@@ -578,8 +573,8 @@ INLINE void task_of(const Tasks *t, const int64_t *lens, int64_t task, int64_t *
             for (int64_t b = 0; b < batch; b++)                                                 \
                 widest = plan.first[b + 1] - plan.first[b] > widest                             \
                              ? plan.first[b + 1] - plan.first[b] : widest;                      \
-            partials = partial_buffer(sizeof(float) * (size_t)((WAVE_TASKS > widest             \
-                                                                ? WAVE_TASKS : widest) * stride)); \
+            const int64_t most = WAVE_TASKS > widest ? WAVE_TASKS : widest;                     \
+            partials = grow(&partial_space, sizeof(float) * (size_t)(most * stride));           \
             if (partials == NULL) {                                                             \
                 free(plan.first);                                                               \
                 return 1;                                                                       \
