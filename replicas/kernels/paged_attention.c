@@ -497,6 +497,19 @@ INLINE int attend_dp_any(const void *q, const void *k, const void *v, const int6
 #define ATTEND_DP(...) 0
 #endif
 
+/* One task: the AVX512-BF16 path where it applies (asking for `next`'s blocks meanwhile), else
+   the generic one. Returns nonzero if its buffer could not be allocated. */
+INLINE int attend_task(const void *q, const void *k, const void *v, const int64_t *table,
+                       int64_t len, void *out, int64_t b, int64_t h, int64_t heads, int64_t group,
+                       int64_t head_dim, int64_t slots, int64_t block_size, float scale, int dtype,
+                       const Next *next, const Part *part) {
+    if (DP_OK(dtype, block_size, head_dim))
+        return ATTEND_DP(q, k, v, table, len, out, b, h, heads, group, head_dim, slots, scale,
+                         next, part);
+    return attend(q, k, v, table, len, out, b, h, heads, group, head_dim, slots, block_size,
+                  scale, dtype, part);
+}
+
 /* the calling thread's buffer for its calls' partial results (split rows: EXPORT) */
 static __thread Grown partial_space;
 
@@ -573,8 +586,8 @@ INLINE void task_of(const Tasks *t, const int64_t *lens, int64_t task, int64_t *
             for (int64_t b = 0; b < batch; b++)                                                 \
                 widest = plan.first[b + 1] - plan.first[b] > widest                             \
                              ? plan.first[b + 1] - plan.first[b] : widest;                      \
-            const int64_t most = WAVE_TASKS > widest ? WAVE_TASKS : widest;                     \
-            partials = grow(&partial_space, sizeof(float) * (size_t)(most * stride));           \
+            const int64_t held = WAVE_TASKS > widest ? WAVE_TASKS : widest;                     \
+            partials = grow(&partial_space, sizeof(float) * (size_t)(held * stride));           \
             if (partials == NULL) {                                                             \
                 free(plan.first);                                                               \
                 return 1;                                                                       \
@@ -586,23 +599,17 @@ INLINE void task_of(const Tasks *t, const int64_t *lens, int64_t task, int64_t *
             _Pragma("omp parallel num_threads(num_threads)") {                                  \
                 FOR_DEALT_AHEAD(task, after, tasks, claimed) {                                  \
                     const int64_t b = task / kv_heads, h = task % kv_heads;                     \
-                    if (DP_OK(DTYPE, block_size, head_dim)) {                                   \
-                        Next next = {NULL, 0, 0};                                               \
-                        if (after < tasks) {                                                    \
-                            const int64_t nb = after / kv_heads;                                \
-                            next.table = tables + nb * max_blocks;                              \
-                            next.blocks = (lens[nb] + block_size - 1) / block_size;             \
-                            next.head_base = after % kv_heads * slots * head_dim;               \
-                        }                                                                       \
-                        if (ATTEND_DP(q, k, v, tables + b * max_blocks, lens[b], out, b, h,     \
-                                      heads, group, head_dim, slots, scale,                     \
-                                      after < tasks ? &next : NULL, NULL))                      \
-                            failed = 1;                                                         \
-                    } else if (attend(q, k, v, tables + b * max_blocks, lens[b], out, b, h,     \
-                                      heads, group, head_dim, slots, block_size, scale, DTYPE,  \
-                                      NULL)) {                                                  \
-                        failed = 1;                                                             \
+                    Next next = {NULL, 0, 0};                                                   \
+                    if (after < tasks) {                                                        \
+                        const int64_t nb = after / kv_heads;                                    \
+                        next.table = tables + nb * max_blocks;                                  \
+                        next.blocks = (lens[nb] + block_size - 1) / block_size;                 \
+                        next.head_base = after % kv_heads * slots * head_dim;                   \
                     }                                                                           \
+                    if (attend_task(q, k, v, tables + b * max_blocks, lens[b], out, b, h,       \
+                                    heads, group, head_dim, slots, block_size, scale, DTYPE,    \
+                                    after < tasks ? &next : NULL, NULL))                        \
+                        failed = 1;                                                             \
                 }                                                                               \
             }                                                                                   \
             return failed;                                                                      \
@@ -623,24 +630,19 @@ INLINE void task_of(const Tasks *t, const int64_t *lens, int64_t task, int64_t *
                         float *slot = partials + (task - t0) * stride;                          \
                         part = (Part){slot, slot + group, slot + 2 * group};                    \
                     }                                                                           \
-                    const Part *into = count == 1 ? NULL : &part;                               \
-                    if (DP_OK(DTYPE, block_size, head_dim)) {                                   \
-                        Next next = {NULL, 0, 0};                                               \
-                        if (after < t1) {                                                       \
-                            int64_t nb, nh, ncount, nblock0, nlen;                              \
-                            task_of(&plan, lens, after, &next_cursor, &nb, &nh, &ncount,        \
-                                    &nblock0, &nlen);                                           \
-                            next.table = tables + nb * max_blocks + nblock0;                    \
-                            next.blocks = (nlen + block_size - 1) / block_size;                 \
-                            next.head_base = nh * slots * head_dim;                             \
-                        }                                                                       \
-                        if (ATTEND_DP(q, k, v, table, len, out, b, h, heads, group, head_dim,   \
-                                      slots, scale, after < t1 ? &next : NULL, into))           \
-                            failed = 1;                                                         \
-                    } else if (attend(q, k, v, table, len, out, b, h, heads, group, head_dim,   \
-                                      slots, block_size, scale, DTYPE, into)) {                 \
-                        failed = 1;                                                             \
+                    Next next = {NULL, 0, 0};                                                   \
+                    if (after < t1) {                                                           \
+                        int64_t nb, nh, ncount, nblock0, nlen;                                  \
+                        task_of(&plan, lens, after, &next_cursor, &nb, &nh, &ncount, &nblock0,  \
+                                &nlen);                                                         \
+                        next.table = tables + nb * max_blocks + nblock0;                        \
+                        next.blocks = (nlen + block_size - 1) / block_size;                     \
+                        next.head_base = nh * slots * head_dim;                                 \
                     }                                                                           \
+                    if (attend_task(q, k, v, table, len, out, b, h, heads, group, head_dim,     \
+                                    slots, block_size, scale, DTYPE, after < t1 ? &next : NULL, \
+                                    count == 1 ? NULL : &part))                                 \
+                        failed = 1;                                                             \
                 }                                                                               \
                 _Pragma("omp barrier")                                                          \
                 float *row = scratch(sizeof(float) * (size_t)head_dim);                         \
