@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 ARGS ?=
 
-.PHONY: setup serve test bench-engine clean
+.PHONY: setup cross-tools serve test bench-engine clean
 
 $(BIN)/shardserve: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,21 @@ setup: $(BIN)/shardserve
 serve: setup
 	$(BIN)/shardserve serve --also-serve shardserve/tiny-llava $(ARGS)
 
-test: setup
+# the aarch64 kernels' tests (tests/replicas/test_cross_isa.py) build them with a cross compiler
+# and run them under qemu-user; where `make test` runs as root with apt (CI's containers) these are
+# installed, best effort. Without them those tests skip.
+CROSS_PACKAGES := gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user
+APT := DEBIAN_FRONTEND=noninteractive timeout 600 apt-get -q -y
+cross-tools:
+	@command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64 >/dev/null \
+	  || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+	       && { $(APT) install --no-install-recommends $(CROSS_PACKAGES) >/dev/null 2>&1 \
+	            || { $(APT) update >/dev/null 2>&1 \
+	                 && $(APT) install --no-install-recommends $(CROSS_PACKAGES) >/dev/null 2>&1; }; } \
+	       && echo "installed $(CROSS_PACKAGES) for the aarch64 kernel tests"; } \
+	  || echo "no aarch64 cross compiler or qemu-user: the aarch64 kernel tests skip"
+
+test: setup cross-tools
 	$(BIN)/python -m pytest -q $(ARGS)
 
 clean:

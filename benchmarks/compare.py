@@ -198,17 +198,30 @@ async def _load(base: str, model: str, requests: list[BenchRequest],
     if ours:
         await asyncio.sleep(1.0)
         counters = _front_counters(base)
+    read_before = _read_gbps()
     before = _client_cpu_s()
     run = await run_load(config, measured, RunSettings(
         max_concurrency=args.concurrency, num_warmups=0, seed=args.seed,
         show_progress=False), (), clients)
     summary = run.metrics.to_summary()
     # a client that cannot keep up with its streams shows up as the server's TTFT and TPOT
-    summary.update(client_processes=clients, client_cpu_s=_client_cpu_s() - before)
+    summary.update(client_processes=clients, client_cpu_s=_client_cpu_s() - before,
+                   read_gbps=(read_before, _read_gbps()))
     if counters is not None:
         summary.update(_front_costs(counters, _front_counters(base),
                                     summary.get("total_output_tokens") or 0))
     return summary
+
+
+def _read_gbps() -> float:
+    """The box's read bandwidth now, by `bench step`'s measure (the one the engine peer's
+    weights_read_ms uses), with the server idle: taken just before and just after each load,
+    because some boxes change memory speed by 2x for minutes at a time, and a yardstick measured
+    in another peer's run may be in the other mode."""
+    import torch
+
+    from benchmarks.step import read_bandwidth
+    return read_bandwidth(torch.device("cpu"), gib=0.5) / 1e9
 
 
 def _client_cpu_s() -> float:
@@ -286,7 +299,7 @@ def engine_alone(path: Path, requests: list[BenchRequest], tokenizer: Any,
     return {"output_throughput": result["output_tokens_per_s"], "duration": result["elapsed_s"],
             "total_output_tokens": result["output_tokens"], "completed": result["num_seqs"],
             "decode_only_step_ms": result["decode_only_step_ms"], "prompt_len": prompt_len,
-            "weights_read_ms": result["weights_read_ms"],
+            "weights_read_ms": result["weights_read_ms"], "weights_bytes": result["weights_bytes"],
             "prompt_forward_ms": result["prompt_forward_ms"],
             "prefill_ms_per_prompt_token": 1e3 * result["prefill_steps_s"] / result["input_tokens"]}
 
@@ -500,8 +513,10 @@ def _paired(runs: list[dict[str, Any]], engine: list[dict[str, Any]], key: str,
 def floors(results: dict[str, list[dict[str, Any]]]) -> list[str]:
     """With the engine peer in the run, each shardserve's figures against the engine run's in
     the same round (medians over rounds): TPOT p50 / one read of the weights at the device's
-    read bandwidth (`bench engine`'s weights_read_ms), and TTFT p50 /
-    (a bare forward over a prompt of the load's length + 5 ms), the issue's single-stream and
+    read bandwidth, measured twice: in the engine's run (`bench engine`'s weights_read_ms) and
+    just before and after this peer's own load (`read_gbps`: on a box whose memory changes speed
+    the two can differ by 2x, and only the second is the same conditions as the TPOT); TTFT p50
+    / (a bare forward over a prompt of the load's length + 5 ms), the issue's single-stream and
     TTFT yardsticks at one stream; and the served core's decode-only step and prefill seconds per
     prompt token against the engine alone's (the cost of sharing the cores with the serving
     path)."""
@@ -518,6 +533,15 @@ def floors(results: dict[str, list[dict[str, Any]]]) -> list[str]:
             lines.append(f"{name}: TPOT p50 / one read of the weights at the read bandwidth "
                          f"{tpot_ratio:.2f}x; "
                          f"TTFT p50 / (bare forward over the prompt + 5 ms) {ttft_ratio:.2f}x")
+        adjacent = [(r["median_tpot_ms"], e["weights_bytes"] / statistics.mean(r["read_gbps"])
+                     / 1e6, r["read_gbps"]) for r, e in zip(runs, engine)
+                    if r.get("median_tpot_ms") and r.get("read_gbps") and e.get("weights_bytes")]
+        if adjacent:
+            rounds = "; ".join(f"{tpot:.2f} / {read:.2f} ms ({a:.1f}, {b:.1f} GB/s)"
+                               for tpot, read, (a, b) in adjacent)
+            lines.append(f"{name}: TPOT p50 / one read of the weights at the bandwidth read "
+                         f"just before and after its load "
+                         f"{_median([t / r for t, r, _ in adjacent]):.2f}x ({rounds})")
         if step_ratio and prefill_ratio:
             lines.append(f"{name}: served / alone: decode-only step {step_ratio:.2f}x, prefill "
                          f"steps' seconds per prompt token {prefill_ratio:.2f}x")

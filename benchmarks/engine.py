@@ -82,14 +82,18 @@ def roofline_step_s(server: LLMServer, batch: int, repeats: int = 5) -> float:
     return best
 
 
+def weights_bytes(server: LLMServer) -> int:
+    """The model's weights, as stored (packed, quantized)."""
+    runner = server.core.engine.executor.worker.runner  # type: ignore[attr-defined]
+    return sum(p.numel() * p.element_size() for p in runner.model.parameters())
+
+
 def weights_read_s(server: LLMServer) -> float:
-    """The model's weights, as stored (packed, quantized), over the device's read bandwidth."""
+    """The model's weights over the device's read bandwidth."""
     from benchmarks.step import read_bandwidth
 
     runner = server.core.engine.executor.worker.runner  # type: ignore[attr-defined]
-    params = list(runner.model.parameters())
-    return (sum(p.numel() * p.element_size() for p in params)
-            / read_bandwidth(params[0].device, gib=0.5))
+    return weights_bytes(server) / read_bandwidth(runner.device, gib=0.5)
 
 
 def prompt_forward_s(server: LLMServer, prompt_len: int, repeats: int = 5) -> float:
@@ -184,7 +188,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "roofline_decode_step_ms_at_batch": roof * 1e3, "roofline_batch": batch,
         "roofline_decode_tokens_per_s": batch / roof,
         # one read of every weight at the device's read bandwidth: one stream's TPOT floor
-        "weights_read_ms": weights_read_s(server) * 1e3,
+        "weights_read_ms": weights_read_s(server) * 1e3, "weights_bytes": weights_bytes(server),
         "prompt_forward_ms": forward * 1e3, "prompt_forward_len": round(in_tokens / n),
         "threads": torch.get_num_threads(),
         "device": torch_device_name(

@@ -104,6 +104,8 @@ def test_the_engine_peer_runs_bench_engine_on_the_loads_shape() -> None:
     # the floors for the latency yardsticks, measured in the same subprocess
     assert result["weights_read_ms"] > 0 and result["prompt_forward_ms"] > 0
     assert result["prefill_ms_per_prompt_token"] > 0
+    # the weights' bytes over the read's time: a bandwidth a CPU can have
+    assert 1 < result["weights_bytes"] / result["weights_read_ms"] / 1e6 < 1000
 
 
 def test_latencies_are_reported_against_the_same_rounds_floors() -> None:
@@ -130,6 +132,27 @@ def test_latencies_are_reported_against_the_same_rounds_floors() -> None:
         "token 1.60x")
     # without the engine peer there is no floor to report
     assert "one pass" not in table({"shardserve": results["shardserve"]})
+
+
+def test_tpot_is_also_paired_with_the_bandwidth_read_beside_its_own_load() -> None:
+    # round 1's engine run met the box at 80 GB/s, its served run at 40: against the engine
+    # run's read the served TPOT looks 2x worse than against the read beside its own load
+    results = {"shardserve": [{"output_throughput": 30.0, "median_tpot_ms": 6.0,
+                               "median_ttft_ms": 130.0, "read_gbps": (40.0, 40.0)},
+                              {"output_throughput": 30.0, "median_tpot_ms": 3.5,
+                               "median_ttft_ms": 130.0, "read_gbps": (70.0, 90.0)}],
+               "engine": [{"output_throughput": 40.0, "weights_read_ms": 2.5,
+                           "weights_bytes": 200e6, "prompt_forward_ms": 95.0},
+                          {"output_throughput": 40.0, "weights_read_ms": 2.5,
+                           "weights_bytes": 200e6, "prompt_forward_ms": 95.0}]}
+    lines = table(results).splitlines()
+    assert lines[-2].startswith(
+        "shardserve: TPOT p50 / one read of the weights at the read bandwidth 1.90x")
+    # 6.0 / 5.0 ms and 3.5 / 2.5 ms: the median of 1.2x and 1.4x
+    assert lines[-1] == (
+        "shardserve: TPOT p50 / one read of the weights at the bandwidth read just before and "
+        "after its load 1.30x (6.00 / 5.00 ms (40.0, 40.0 GB/s); 3.50 / 2.50 ms (70.0, 90.0 "
+        "GB/s))")
 
 
 def test_front_costs_divide_the_load_s_counters() -> None:
