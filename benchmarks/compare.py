@@ -512,8 +512,8 @@ def _paired(runs: list[dict[str, Any]], engine: list[dict[str, Any]], key: str,
 
 def floors(results: dict[str, list[dict[str, Any]]]) -> list[str]:
     """With the engine peer in the run, each shardserve's figures against the engine run's in
-    the same round (medians over rounds): TPOT p50 / one read of the weights at the device's
-    read bandwidth, measured twice: in the engine's run (`bench engine`'s weights_read_ms) and
+    the same round (medians over rounds), at one stream: TPOT p50 / one read of the weights at
+    the device's read bandwidth, measured twice: in the engine's run (`bench engine`'s weights_read_ms) and
     just before and after this peer's own load (`read_gbps`: on a box whose memory changes speed
     the two can differ by 2x, and only the second is the same conditions as the TPOT); TTFT p50
     / (a bare forward over a prompt of the load's length + 5 ms), the issue's single-stream and
@@ -524,8 +524,12 @@ def floors(results: dict[str, list[dict[str, Any]]]) -> list[str]:
     lines = []
     for name in (n for n in results if n.startswith("shardserve")):
         runs = results[name]
-        tpot_ratio = _paired(runs, engine, "median_tpot_ms", "weights_read_ms")
-        ttft_ratio = _paired(runs, engine, "median_ttft_ms", "prompt_forward_ms", plus=5.0)
+        # the TPOT and TTFT yardsticks are one stream's: a batch's steps read the weights once
+        # for many streams and its prompts queue behind each other
+        one_stream = [r if r.get("max_concurrent_requests") == 1 else {} for r in runs]
+        tpot_ratio = _paired(one_stream, engine, "median_tpot_ms", "weights_read_ms")
+        ttft_ratio = _paired(one_stream, engine, "median_ttft_ms", "prompt_forward_ms",
+                             plus=5.0)
         step_ratio = _paired(runs, engine, "decode_only_step_ms", "decode_only_step_ms")
         prefill_ratio = _paired(runs, engine, "prefill_ms_per_prompt_token",
                                 "prefill_ms_per_prompt_token")
@@ -534,7 +538,7 @@ def floors(results: dict[str, list[dict[str, Any]]]) -> list[str]:
                          f"{tpot_ratio:.2f}x; "
                          f"TTFT p50 / (bare forward over the prompt + 5 ms) {ttft_ratio:.2f}x")
         adjacent = [(r["median_tpot_ms"], e["weights_bytes"] / statistics.mean(r["read_gbps"])
-                     / 1e6, r["read_gbps"]) for r, e in zip(runs, engine)
+                     / 1e6, r["read_gbps"]) for r, e in zip(one_stream, engine)
                     if r.get("median_tpot_ms") and r.get("read_gbps") and e.get("weights_bytes")]
         if adjacent:
             rounds = "; ".join(f"{tpot:.2f} / {read:.2f} ms ({a:.1f}, {b:.1f} GB/s)"
