@@ -221,7 +221,9 @@ def _read_gbps() -> float:
     import torch
 
     from benchmarks.step import read_bandwidth
-    return read_bandwidth(torch.device("cpu"), gib=0.5) / 1e9
+    # the device the engine peer's read is of: the GPU where there is one
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return read_bandwidth(device, gib=0.5) / 1e9
 
 
 def _client_cpu_s() -> float:
@@ -513,13 +515,13 @@ def _paired(runs: list[dict[str, Any]], engine: list[dict[str, Any]], key: str,
 def floors(results: dict[str, list[dict[str, Any]]]) -> list[str]:
     """With the engine peer in the run, each shardserve's figures against the engine run's in
     the same round (medians over rounds), at one stream: TPOT p50 / one read of the weights at
-    the device's read bandwidth, measured twice: in the engine's run (`bench engine`'s weights_read_ms) and
-    just before and after this peer's own load (`read_gbps`: on a box whose memory changes speed
-    the two can differ by 2x, and only the second is the same conditions as the TPOT); TTFT p50
-    / (a bare forward over a prompt of the load's length + 5 ms), the issue's single-stream and
-    TTFT yardsticks at one stream; and the served core's decode-only step and prefill seconds per
-    prompt token against the engine alone's (the cost of sharing the cores with the serving
-    path)."""
+    the device's read bandwidth, measured twice: in the engine's run (`bench engine`'s
+    weights_read_ms) and just before and after this peer's own load (`read_gbps`: on a box whose
+    memory changes speed the two can differ by 2x, and only the second is the same conditions as
+    the TPOT); TTFT p50 / (a bare forward over a prompt of the load's length + 5 ms), the issue's
+    single-stream and TTFT yardsticks; and the served core's decode-only step and prefill
+    seconds per prompt token against the engine alone's (the cost of sharing the cores with the
+    serving path)."""
     engine = results.get("engine") or []
     lines = []
     for name in (n for n in results if n.startswith("shardserve")):
