@@ -515,10 +515,11 @@ static __thread Grown partial_space;
 
 /* A decode step's tasks: row b's are first[b] .. first[b + 1], its kv heads' parts in turn
    (parts[b] of per[b] blocks each, the last one shorter); first is NULL where no row is split
-   (then task t is row t / kv_heads's kv head t % kv_heads, whole). */
+   (then task t is row t / kv_heads's kv head t % kv_heads, whole). widest: the most tasks of
+   one row. */
 typedef struct {
     int64_t *first, *parts, *per;
-    int64_t block_size, tasks;
+    int64_t block_size, tasks, widest;
 } Tasks;
 
 /* NULL arrays and every row whole where none is longer than a part (most steps); returns
@@ -529,6 +530,7 @@ static int plan_tasks(Tasks *t, const int64_t *lens, int64_t batch, int64_t kv_h
     t->block_size = block_size;
     t->first = t->parts = t->per = NULL;
     t->tasks = batch * kv_heads;
+    t->widest = kv_heads;
     int64_t b = 0;
     while (b < batch && lens[b] <= most * block_size) b++;
     if (b == batch) return 0;
@@ -543,6 +545,7 @@ static int plan_tasks(Tasks *t, const int64_t *lens, int64_t batch, int64_t kv_h
         t->per[b] = (blocks + count - 1) / count;
         t->parts[b] = (blocks + t->per[b] - 1) / t->per[b];
         t->first[b + 1] = t->first[b] + t->parts[b] * kv_heads;
+        if (t->parts[b] * kv_heads > t->widest) t->widest = t->parts[b] * kv_heads;
     }
     t->tasks = t->first[batch];
     return 0;
@@ -576,17 +579,13 @@ INLINE void task_of(const Tasks *t, const int64_t *lens, int64_t task, int64_t *
              float scale, int num_threads) {                                                    \
         const int64_t group = heads / kv_heads, slots = num_blocks * block_size;                \
         Tasks plan;                                                                             \
-        if (plan_tasks(&plan, lens, batch, kv_heads, block_size)) return 1;                    \
+        if (plan_tasks(&plan, lens, batch, kv_heads, block_size)) return 1;                     \
         const int64_t tasks = plan.tasks, stride = group * (2 + head_dim);                      \
-        /* split rows go in waves of at most WAVE_TASKS tasks (whole rows), each ended by its  \
-           combines: the partial results of a long prefill chunk's every part would not fit */ \
+        /* split rows go in waves of at most WAVE_TASKS tasks (whole rows), each ended by its   \
+           combines: the partial results of a long prefill chunk's every part would not fit */  \
         float *partials = NULL;                                                                 \
         if (plan.first != NULL) {                                                               \
-            int64_t widest = 0;                                                                 \
-            for (int64_t b = 0; b < batch; b++)                                                 \
-                widest = plan.first[b + 1] - plan.first[b] > widest                             \
-                             ? plan.first[b + 1] - plan.first[b] : widest;                      \
-            const int64_t held = WAVE_TASKS > widest ? WAVE_TASKS : widest;                     \
+            const int64_t held = WAVE_TASKS > plan.widest ? WAVE_TASKS : plan.widest;           \
             partials = grow(&partial_space, sizeof(float) * (size_t)(held * stride));           \
             if (partials == NULL) {                                                             \
                 free(plan.first);                                                               \
