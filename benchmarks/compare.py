@@ -194,19 +194,20 @@ async def _load(base: str, model: str, requests: list[BenchRequest],
     # the server's counters from here: the warm-ups' few-row steps once halved the served
     # decode step's mean and hid a 1.34x slowdown of the load's own steps. /metrics lags the
     # replicas by up to two of the status board's 0.5 s report periods
-    counters = None
+    counters = read_before = None
     if ours:
         await asyncio.sleep(1.0)
         counters = _front_counters(base)
-    read_before = _read_gbps()
+        read_before = _read_gbps()
     before = _client_cpu_s()
     run = await run_load(config, measured, RunSettings(
         max_concurrency=args.concurrency, num_warmups=0, seed=args.seed,
         show_progress=False), (), clients)
     summary = run.metrics.to_summary()
     # a client that cannot keep up with its streams shows up as the server's TTFT and TPOT
-    summary.update(client_processes=clients, client_cpu_s=_client_cpu_s() - before,
-                   read_gbps=(read_before, _read_gbps()))
+    summary.update(client_processes=clients, client_cpu_s=_client_cpu_s() - before)
+    if read_before is not None:  # for our TPOT's yardstick (floors)
+        summary["read_gbps"] = (read_before, _read_gbps())
     if counters is not None:
         summary.update(_front_costs(counters, _front_counters(base),
                                     summary.get("total_output_tokens") or 0))
@@ -215,9 +216,9 @@ async def _load(base: str, model: str, requests: list[BenchRequest],
 
 def _read_gbps() -> float:
     """The box's read bandwidth now, by `bench step`'s measure (the one the engine peer's
-    weights_read_ms uses), with the server idle: taken just before and just after each load,
-    because some boxes change memory speed by 2x for minutes at a time, and a yardstick measured
-    in another peer's run may be in the other mode."""
+    weights_read_ms uses), with the server idle: taken just before and just after each of our
+    loads, because some boxes change memory speed by 2x for minutes at a time, and a yardstick
+    measured in another peer's run may be in the other mode."""
     import torch
 
     from benchmarks.step import read_bandwidth
