@@ -333,8 +333,9 @@ async def test_the_replica_reports_the_message_budget_its_ingresses_apply(
     every = await _collect(unpaced, GenerateRequest("si-1", prompt, SamplingParams(
         max_tokens=14, temperature=0.0, ignore_eos=True)))
     sizes = [len(b.token_ids) for b in every[0]]
-    # one by one, save the few a busy event loop lets pile up between two reads
-    assert sizes[0] == 1 and sum(sizes) == 14 and len(sizes) >= 10, sizes
+    # one by one, save the few a busy event loop lets pile up between two reads (the first
+    # included: under async scheduling the second step may land before the first is read)
+    assert sum(sizes) == 14 and len(sizes) >= 10, sizes
 
 
 async def test_a_channel_carries_its_requests_one_message_per_step(unpaced: LLMServer) -> None:
