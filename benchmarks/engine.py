@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from benchmarks.step import sync, torch_device_name
+from benchmarks.step import read_bandwidth, sync, torch_device_name
 from replicas.embedded import BENCH_MODEL_ID
 
 if TYPE_CHECKING:  # the CLI builds its parser without importing torch, Ray or the engine
@@ -82,18 +82,9 @@ def roofline_step_s(server: LLMServer, batch: int, repeats: int = 5) -> float:
     return best
 
 
-def weights_bytes(server: LLMServer) -> int:
+def weights_bytes(runner: Any) -> int:
     """The model's weights, as stored (packed, quantized)."""
-    runner = server.core.engine.executor.worker.runner  # type: ignore[attr-defined]
     return sum(p.numel() * p.element_size() for p in runner.model.parameters())
-
-
-def weights_read_s(server: LLMServer) -> float:
-    """The model's weights over the device's read bandwidth."""
-    from benchmarks.step import read_bandwidth
-
-    runner = server.core.engine.executor.worker.runner  # type: ignore[attr-defined]
-    return weights_bytes(server) / read_bandwidth(runner.device, gib=0.5)
 
 
 def prompt_forward_s(server: LLMServer, prompt_len: int, repeats: int = 5) -> float:
@@ -184,15 +175,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     batch = min(n, args.max_num_seqs)
     roof = roofline_step_s(server, batch)
     forward = prompt_forward_s(server, round(in_tokens / n))
+    runner = server.core.engine.executor.worker.runner  # type: ignore[attr-defined]
+    nbytes = weights_bytes(runner)
     result |= {
         "roofline_decode_step_ms_at_batch": roof * 1e3, "roofline_batch": batch,
         "roofline_decode_tokens_per_s": batch / roof,
         # one read of every weight at the device's read bandwidth: one stream's TPOT floor
-        "weights_read_ms": weights_read_s(server) * 1e3, "weights_bytes": weights_bytes(server),
+        "weights_read_ms": 1e3 * nbytes / read_bandwidth(runner.device, gib=0.5),
+        "weights_bytes": nbytes,
         "prompt_forward_ms": forward * 1e3, "prompt_forward_len": round(in_tokens / n),
-        "threads": torch.get_num_threads(),
-        "device": torch_device_name(
-            server.core.engine.executor.worker.runner.device),  # type: ignore[attr-defined]
+        "threads": torch.get_num_threads(), "device": torch_device_name(runner.device),
     }
     result["fraction_of_roofline"] = result["output_tokens_per_s"] / result[
         "roofline_decode_tokens_per_s"]
