@@ -88,7 +88,10 @@ class LLMServer:
         then its channeled requests' rows, one message per wake-up (an engine step's outputs
         while the ingress keeps up, a floor's under a floor; `replicas.channel.decode` reads
         them), until it has been idle for IDLE_S. A second open from the same ingress (it lost
-        the first) replaces the first."""
+        the first) replaces the first. An open that names another replica (it is gone, and the
+        router sent its channel here: replicas/router.py) ends at once, before that message."""
+        if self.replica_id is not None and open_.replica != self.replica_id:
+            return
         old = self.channels.pop(open_.ingress, None)
         if old is not None:
             self._close_channel(old, open_.ingress)
@@ -204,10 +207,18 @@ class LLMReplica:
             ctx.app_name, replica, self.server.stop_choice))
 
     async def generate(self, request: GenerateRequest, channel: str | None = None
-                       ) -> AsyncIterator[tuple[TokenBatch, ...] | Channeled | NeedChannel]:
+                       ) -> AsyncIterator[tuple[TokenBatch, ...] | Channeled | NeedChannel
+                                          | EngineError]:
+        """LLMServer.generate's items, and its failure (a 4xx/5xx the ingress renders) as the
+        last item instead of raised: Serve logs each exception a call raises with its traceback,
+        ~30 lines, and a core restarting under load fails thousands of requests with 503 (a
+        chaos run wrote 670,000 lines in 10 minutes)."""
         async with contextlib.aclosing(self.server.generate(request, channel)) as stream:
-            async for batches in stream:
-                yield batches
+            try:
+                async for batches in stream:
+                    yield batches
+            except EngineError as exc:
+                yield exc
 
     async def channel(self, open_: ChannelOpen) -> AsyncIterator[bytes]:
         async with contextlib.aclosing(self.server.channel(open_)) as stream:

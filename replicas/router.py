@@ -12,7 +12,8 @@ keys, made once in `choose_replicas` (which runs again on every backoff round), 
 routed, when it completes (Serve calls that for every dispatched request, rejected ones too) or
 when its routing future is cancelled (a request cancelled while queued reaches neither hook).
 
-A channel call (replicas/channel.py) is not a request: it goes to the one replica it names."""
+A channel call (replicas/channel.py) is not a request: it goes to the one replica it names (or,
+where that one is gone, to any: there it ends at once)."""
 
 from __future__ import annotations
 
@@ -101,8 +102,14 @@ class PrefixAffinityRouter(RequestRouter):
         if not candidate_replicas:
             return []
         opening = self._arg(pending_request, ChannelOpen)
-        if opening is not None:  # a channel goes to the replica it names, or nowhere
-            return [[r for r in candidate_replicas if r.replica_id.unique_id == opening.replica]]
+        if opening is not None:
+            # a channel goes to the replica it names; where that one is gone, to any other,
+            # which ends the call at once (LLMServer.channel). Never nowhere: Serve retries an
+            # unroutable call for as long as it lives, even cancelled, and each such call holds
+            # one of the router's 2-per-replica routing tasks; two channels to replaced
+            # replicas left no task to route any request
+            named = [r for r in candidate_replicas if r.replica_id.unique_id == opening.replica]
+            return [named or candidate_replicas]
         request = self._arg(pending_request, GenerateRequest)
         load = {r.replica_id: self.inflight.get(r.replica_id, 0) for r in candidate_replicas}
         least = min(load.values())

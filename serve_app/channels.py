@@ -21,7 +21,7 @@ from typing import Any
 
 from replicas.channel import Channeled, ChannelOpen, NeedChannel, decode, node_id
 from replicas.outbox import Outbox
-from replicas.request import TokenBatch, coalesce
+from replicas.request import EngineError, TokenBatch, coalesce
 from serve_app.inbox import Inbox
 
 logger = logging.getLogger(__name__)
@@ -73,6 +73,8 @@ class Subscription:
         channeled = False
         try:
             async for item in self.call:
+                if isinstance(item, EngineError):  # its failure, sent as an item
+                    raise item
                 if isinstance(item, NeedChannel):
                     self.hub.open(item.replica)
                     continue
@@ -197,7 +199,10 @@ class ChannelHub:
         ended = False  # by the replica, idle
         try:
             async with asyncio.timeout(OPEN_TIMEOUT_S):
-                await anext(call)
+                opened = await anext(call, None)
+            if opened is None:  # the replica is gone: another one ended the call at once
+                logger.info("no channel to replica %s: it is gone", replica)
+                return
             async for message in call:
                 self.deliver(message)
             ended = True
