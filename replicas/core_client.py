@@ -14,6 +14,7 @@ a 503 at once, and a new core starts (health is red meanwhile; after `MAX_RESTAR
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -224,7 +225,11 @@ class ProcessCore:
             if self._push is None or self.failed is not None:
                 return  # no core to tell: what it held has failed already
             try:
-                self._push.send(proto.encode_commands(commands))
+                # never waiting: the socket binds, so with its core gone a send would wait for a
+                # peer that never comes, holding the event loop and the lock the monitor needs
+                # to restart the core (a chaos run wedged a replica so); `_start` sends nothing
+                # before the core's end is connected, so this fails only once the core is gone
+                self._push.send(proto.encode_commands(commands), self._zmq.NOBLOCK)
             except self._zmq.ZMQError:  # the core is going down: the monitor fails its requests
                 logger.warning("engine core unreachable; %d commands dropped", len(commands))
 
@@ -294,12 +299,17 @@ class ProcessCore:
             env=env, stdin=subprocess.DEVNULL)
         self._heard = time.monotonic()
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while True:
-            if pull.poll(200):
+        ready = False
+        # until it says it is ready and its end of the command socket is connected (then a
+        # send never waits while it lives: `_flush`)
+        while not (ready and push.poll(0, zmq.POLLOUT)):
+            if not ready and pull.poll(200):
                 message = proto.decode(pull.recv())
                 if message[0] == proto.READY:
                     self.info = message[1]
-                    break
+                    ready = True
+            elif ready:
+                time.sleep(0.005)
             if proc.poll() is not None:
                 push.close()
                 pull.close()
@@ -313,8 +323,10 @@ class ProcessCore:
                 raise RuntimeError(f"it was not ready within {READY_TIMEOUT_S:.0f} s")
         self._stats = dict(NO_STATS)
         if self.ingresses:  # a restarted core: the direct channels still open, before any request
-            push.send(proto.encode_commands([(proto.CONNECT, ingress, address)
-                                             for ingress, address in list(self.ingresses.items())]))
+            with contextlib.suppress(zmq.ZMQError):  # gone already: the monitor sees it exit
+                push.send(proto.encode_commands(
+                    [(proto.CONNECT, ingress, address)
+                     for ingress, address in list(self.ingresses.items())]), zmq.NOBLOCK)
         with self._push_lock:
             self._proc, self._push = proc, push
         self._heard = time.monotonic()
@@ -425,7 +437,7 @@ class ProcessCore:
             return
         if not kill and proc.poll() is None:
             try:
-                push.send(proto.encode_commands([(proto.SHUTDOWN,)]))
+                push.send(proto.encode_commands([(proto.SHUTDOWN,)]), self._zmq.NOBLOCK)
                 proc.wait(timeout=10)
             except Exception:  # noqa: BLE001  (it is killed below)
                 pass

@@ -188,6 +188,10 @@ class LLMServer:
     async def fresh_stats(self) -> dict:
         return await self.core.fresh_stats()
 
+    def engine_up(self) -> bool:
+        """Whether the engine core takes requests now (not down, restarting or given up)."""
+        return not self.core.stats().get("failed")
+
     def close(self) -> None:
         self.core.close()
 
@@ -230,6 +234,10 @@ class LLMReplica:
 
     async def stats(self) -> dict:
         return self.server.stats()
+
+    def record_routing_stats(self) -> dict[str, bool]:
+        """What every caller's router reads of this replica (replicas/router.py)."""
+        return {"engine_up": self.server.engine_up()}
 
     def check_health(self) -> None:
         """Serve replaces the replica when this raises: its engine core kept failing and the

@@ -12,6 +12,11 @@ keys, made once in `choose_replicas` (which runs again on every backoff round), 
 routed, when it completes (Serve calls that for every dispatched request, rejected ones too) or
 when its routing future is cancelled (a request cancelled while queued reaches neither hook).
 
+A replica whose engine core is down (restarting, or given up until Serve replaces the replica)
+fails each request at once, so least-loaded routing would send it the most: while another replica
+takes requests, it gets none. Each replica says so in its routing stats (`record_routing_stats`,
+polled by Serve's controller every `STATS_PERIOD_S` and sent to the routers when it changes).
+
 A channel call (replicas/channel.py) is not a request: it goes to the one replica it names (or,
 where that one is gone, to any: there it ends at once)."""
 
@@ -33,6 +38,7 @@ BLOCK = 16
 MAX_BLOCKS = 64  # look at most this far into a prompt
 MAX_ENTRIES = 200_000  # remembered block keys per replica
 MAX_PENDING = 10_000  # requests being routed; a backstop, each also leaves with its request
+STATS_PERIOD_S = 1.0  # how often Serve's controller asks each replica for its routing stats
 
 T = TypeVar("T")
 
@@ -42,6 +48,13 @@ def block_keys(request: GenerateRequest) -> list[BlockKey]:
     if request.mm_items:
         tokens = media_key_tokens(tokens, request.mm_items)
     return prefix_keys(tokens, BLOCK, request.cache_salt, MAX_BLOCKS)
+
+
+def taking_requests(replicas: list[RunningReplica]) -> list[RunningReplica]:
+    """The replicas whose engine core takes requests; all of them where none does (each then
+    answers 503 at once, which is right)."""
+    up = [r for r in replicas if r.routing_stats.get("engine_up", True)]
+    return up or replicas
 
 
 @dataclass(frozen=True)
@@ -111,6 +124,7 @@ class PrefixAffinityRouter(RequestRouter):
             named = [r for r in candidate_replicas if r.replica_id.unique_id == opening.replica]
             return [named or candidate_replicas]
         request = self._arg(pending_request, GenerateRequest)
+        candidate_replicas = taking_requests(candidate_replicas)
         load = {r.replica_id: self.inflight.get(r.replica_id, 0) for r in candidate_replicas}
         least = min(load.values())
         if request is not None:

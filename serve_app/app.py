@@ -14,6 +14,7 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from replicas.deployment import LLMReplica
+from replicas.router import STATS_PERIOD_S
 from serve_app.config import AppConfig, ModelConfig
 from serve_app.health import HEALTH_ROUTE, build_health_app, health_app_name
 from serve_app.ingress import Ingress
@@ -35,7 +36,8 @@ def replica_options(model: ModelConfig) -> dict[str, Any]:
         "health_check_period_s": model.health_check_period_s,
         "request_router_config": RequestRouterConfig(
             request_router_class="replicas.router:PrefixAffinityRouter",
-            request_router_kwargs={"imbalance": model.routing_imbalance}),
+            request_router_kwargs={"imbalance": model.routing_imbalance},
+            request_routing_stats_period_s=STATS_PERIOD_S),
     }
     if model.autoscaling_config is not None:
         options["autoscaling_config"] = model.autoscaling_config.model_dump()

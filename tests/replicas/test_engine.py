@@ -709,3 +709,35 @@ async def test_a_failed_step_with_the_next_one_scheduled_ahead_fails_only_its_re
         assert (await _settled(core))["num_used_blocks"] == 0
     finally:
         core.close()
+
+
+async def test_a_command_sent_to_a_dead_core_returns_and_a_new_core_serves() -> None:
+    """The front's command socket binds, so with its core gone a blocking send waited for a peer
+    that never came, holding the replica's event loop and the lock the monitor needs to start
+    the next core: a chaos run wedged a replica so, killed between two of the monitor's looks."""
+    import psutil
+
+    server = LLMServer(ReplicaConfig(model=EMBEDDED_MODEL_ID, max_model_len=128,
+                                     kv_cache_gib=0.01, max_num_seqs=2))
+    try:
+        core = server.core
+        pid = (await server.fresh_stats())["core_pid"]
+        why_down = core._why_down  # type: ignore[union-attr]
+        core._why_down = lambda: None  # the monitor has not looked yet  # type: ignore[union-attr]
+        psutil.Process(pid).kill()
+        psutil.Process(pid).wait(10)
+        await asyncio.sleep(0.2)  # the socket has seen its peer go
+        sent = asyncio.get_running_loop().time()
+        core.abort("nobody")  # flushed on the loop's next turn
+        await asyncio.sleep(0)
+        assert asyncio.get_running_loop().time() - sent < 1.0
+        core._why_down = why_down  # type: ignore[union-attr]
+        for _ in range(600):  # a new core, then a request served as before
+            if core.failed is None and core.stats()["core_pid"] != pid:  # type: ignore[union-attr]
+                break
+            await asyncio.sleep(0.1)
+        out = await _collect(server, GenerateRequest("after", (5, 6, 7), SamplingParams(
+            max_tokens=3, ignore_eos=True)))
+        assert len(_tokens(out[0])) == 3
+    finally:
+        server.close()
