@@ -30,6 +30,7 @@ SUBCOMMANDS: list[Subcommand] = [
     Subcommand("step", "benchmarks.step", "the model's decode step alone vs the memory-bandwidth bound"),
     Subcommand("bandwidth", "benchmarks.bandwidth", "the memory-bound kernels vs the box's read bandwidth"),
     Subcommand("soak", "benchmarks.soak", "many requests while the server processes' memory is sampled"),
+    Subcommand("chaos", "benchmarks.chaos", "a request mix while the engine cores are killed or frozen in turn"),
     Subcommand("hop", "benchmarks.hop", "per-step cost of shard actors vs in-process"),
     Subcommand("host", "benchmarks.host", "the engine core's host work per step"),
     Subcommand("caps", "benchmarks.caps", "other streams' TPOT beside one request at the list caps"),

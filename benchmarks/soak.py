@@ -3,8 +3,8 @@ processes on this node is sampled; reports each process's RSS after the warm-up 
 
 The KV cache is preallocated to its budget when a replica starts, so a replica's RSS should stay
 flat however many requests pass through it; growth here means something keeps per-request state.
-Requests mix what allocates per request: streaming and not, n=2, logprobs, stop strings and
-clients that disconnect mid-stream."""
+Requests mix what allocates per request: streaming and not, n=2, logprobs, stop strings, JSON
+schemas and clients that disconnect mid-stream."""
 
 from __future__ import annotations
 
@@ -68,7 +68,9 @@ def rss_mib(procs: dict[str, psutil.Process]) -> dict[str, float]:
     return out
 
 
-def _body(model: str, i: int, rng: random.Random, max_tokens: int) -> dict[str, Any]:
+def request_body(model: str, i: int, rng: random.Random, max_tokens: int) -> dict[str, Any]:
+    """Request i of the mix (`bench soak`'s and `bench chaos`'s): plain, n=2, logprobs, a stop
+    string and a JSON schema in turn, each with a prompt of its own."""
     words = " ".join(rng.choice(("alpha", "beta", "gamma", "delta", "river", "stone"))
                      for _ in range(rng.randint(4, 40)))
     body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": 0.8,
@@ -80,21 +82,63 @@ def _body(model: str, i: int, rng: random.Random, max_tokens: int) -> dict[str, 
         body |= {"logprobs": True, "top_logprobs": 3}
     elif kind == 3:
         body["stop"] = ["a"]
+    elif kind == 4:  # a guide per request
+        schema = {"type": "object", "required": ["a", "b"],
+                  "properties": {"a": {"type": "integer"},
+                                 "b": {"type": "string", "maxLength": 8}}}
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "pair", "schema": schema}}
     return body
 
 
-async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any], stream: bool,
-               disconnect: bool) -> bool:
-    if not stream:
-        r = await client.post(url, json=body)
-        return r.status_code == 200
-    async with client.stream("POST", url, json=body | {"stream": True}) as r:
-        if r.status_code != 200:
-            return False
-        async for line in r.aiter_lines():
-            if disconnect and line.startswith("data: {"):
-                return True  # leave mid-stream: the server must free the request
-    return True
+@dataclass
+class Outcome:
+    """One request as its client saw it: the status, an error (a non-200's body, or an SSE
+    error event's), whether a stream ended with [DONE], and when it started and ended (s)."""
+
+    start: float
+    end: float = 0.0
+    status: int | None = None
+    error: str | None = None
+    done: bool = False
+    disconnected: bool = False
+    exception: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.error is None and self.exception is None
+
+
+async def attempt(client: httpx.AsyncClient, url: str, body: dict[str, Any], stream: bool,
+                  disconnect: bool, clock: Any = time.perf_counter) -> Outcome:
+    """Sends one request; `disconnect`: a stream left after its first chunk (the server must
+    free what it held)."""
+    out = Outcome(clock())
+    try:
+        if not stream:
+            r = await client.post(url, json=body)
+            out.status, out.done = r.status_code, True
+            if r.status_code != 200:
+                out.error = r.text[:300]
+        else:
+            async with client.stream("POST", url, json=body | {"stream": True}) as r:
+                out.status = r.status_code
+                if r.status_code != 200:
+                    out.error = (await r.aread()).decode(errors="replace")[:300]
+                else:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {") and line[6:20].replace(" ", "").startswith(
+                                '{"error"'):
+                            out.error = line[6:306]
+                        elif line == "data: [DONE]":
+                            out.done = True
+                        elif disconnect and line.startswith("data: {"):
+                            out.disconnected = True
+                            break
+    except httpx.HTTPError as exc:
+        out.exception = repr(exc)[:200]
+    out.end = clock()
+    return out
 
 
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
@@ -108,9 +152,9 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     async def send(client: httpx.AsyncClient, i: int, progress: tqdm) -> None:
         nonlocal failures
         async with limit:
-            ok = await _one(client, url, _body(model, i, rng, args.max_tokens),
-                            stream=i % 2 == 0, disconnect=i % 10 == 4)
-        failures += not ok
+            out = await attempt(client, url, request_body(model, i, rng, args.max_tokens),
+                                stream=i % 2 == 0, disconnect=i % 10 == 4)
+        failures += not out.ok
         progress.update(1)
 
     procs = serve_processes()

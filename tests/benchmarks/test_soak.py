@@ -9,15 +9,16 @@ import sys
 
 import psutil
 
-from benchmarks.soak import _body, rss_mib
+from benchmarks.soak import request_body, rss_mib
 
 
 def test_request_mix_covers_the_per_request_allocations() -> None:
     rng = random.Random(0)
-    bodies = [_body("m", i, rng, 8) for i in range(10)]
+    bodies = [request_body("m", i, rng, 8) for i in range(10)]
     assert {b.get("n") for b in bodies} == {None, 2}
     assert sum(b.get("logprobs", False) for b in bodies) == 2
     assert sum("stop" in b for b in bodies) == 2
+    assert sum(b.get("response_format", {}).get("type") == "json_schema" for b in bodies) == 2
     assert all(b["max_tokens"] == 8 and b["temperature"] > 0 for b in bodies)
     # distinct prompts: no two requests share a prefix-cache entry by accident
     assert len({b["messages"][0]["content"] for b in bodies}) == 10
