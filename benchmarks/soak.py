@@ -94,7 +94,8 @@ def request_body(model: str, i: int, rng: random.Random, max_tokens: int) -> dic
 @dataclass
 class Outcome:
     """One request as its client saw it: the status, an error (a non-200's body, or an SSE
-    error event's), whether a stream ended with [DONE], and when it started and ended (s)."""
+    error event's), whether it ended whole (a stream with [DONE]) or was left on purpose, and
+    when it started and ended (s)."""
 
     start: float
     end: float = 0.0
@@ -106,7 +107,8 @@ class Outcome:
 
     @property
     def ok(self) -> bool:
-        return self.status == 200 and self.error is None and self.exception is None
+        return (self.status == 200 and self.error is None and self.exception is None
+                and (self.done or self.disconnected))
 
 
 async def attempt(client: httpx.AsyncClient, url: str, body: dict[str, Any], stream: bool,

@@ -723,7 +723,8 @@ async def test_a_command_sent_to_a_dead_core_returns_and_a_new_core_serves() -> 
         core = server.core
         pid = (await server.fresh_stats())["core_pid"]
         why_down = core._why_down  # type: ignore[union-attr]
-        core._why_down = lambda: None  # the monitor has not looked yet  # type: ignore[union-attr]
+        # the monitor has not looked yet
+        core._why_down = lambda: None  # type: ignore[union-attr]
         psutil.Process(pid).kill()
         psutil.Process(pid).wait(10)
         await asyncio.sleep(0.2)  # the socket has seen its peer go
