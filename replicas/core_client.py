@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 READY_TIMEOUT_S = 900.0  # loading a big model from a slow disk
 SPIN_COUNT = 10_000  # libgomp's spins before an idle OpenMP thread sleeps (default 300,000)
 MAX_RESTARTS, RESTART_WINDOW_S = 5, 300.0
+# a core silent this long (six heartbeats) gets no new requests from the routers while another
+# replica takes them; it is killed only after `core_silence_s`
+SUSPECT_SILENCE_S = 3.0
 # what stats() says before a core's first heartbeat
 NO_STATS = {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0, "failed": None,
             "loop_alive": True, "stalled": False, "step_running_s": 0.0}
@@ -140,6 +143,9 @@ class InProcessCore:
 
     async def fresh_stats(self) -> dict[str, Any]:
         return self.stats()
+
+    def taking_requests(self) -> bool:
+        return not self.engine.failed
 
     def failure(self) -> str | None:
         return self.engine.failed
@@ -257,6 +263,12 @@ class ProcessCore:
         finally:
             self._stats_waiters.pop(token, None)
         return self._with_supervisor(stats)
+
+    def taking_requests(self) -> bool:
+        """Up (not down, restarting or given up) and heard from within SUSPECT_SILENCE_S."""
+        return (self.failed is None
+                and time.monotonic() - self._heard < SUSPECT_SILENCE_S
+                and not self._stats.get("failed"))
 
     def failure(self) -> str | None:
         """Why the replica is unhealthy: only once restarting has been given up."""

@@ -189,8 +189,9 @@ class LLMServer:
         return await self.core.fresh_stats()
 
     def engine_up(self) -> bool:
-        """Whether the engine core takes requests now (not down, restarting or given up)."""
-        return not self.core.stats().get("failed")
+        """Whether the engine core takes requests now: not down, restarting or given up, nor
+        silent for seconds (a frozen process, until the monitor kills it)."""
+        return self.core.taking_requests()
 
     def close(self) -> None:
         self.core.close()

@@ -13,9 +13,11 @@ routed, when it completes (Serve calls that for every dispatched request, reject
 when its routing future is cancelled (a request cancelled while queued reaches neither hook).
 
 A replica whose engine core is down (restarting, or given up until Serve replaces the replica)
-fails each request at once, so least-loaded routing would send it the most: while another replica
-takes requests, it gets none. Each replica says so in its routing stats (`record_routing_stats`,
-polled by Serve's controller every `STATS_PERIOD_S` and sent to the routers when it changes).
+fails each request at once, so least-loaded routing would send it the most; one whose core has
+gone silent (frozen, until its replica kills it) holds each request until then: while another
+replica takes requests, neither gets any. Each replica says so in its routing stats
+(`record_routing_stats`, polled by Serve's controller every `STATS_PERIOD_S` and sent to the
+routers when it changes).
 
 A channel call (replicas/channel.py) is not a request: it goes to the one replica it names (or,
 where that one is gone, to any: there it ends at once)."""

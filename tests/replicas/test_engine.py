@@ -16,6 +16,8 @@ import torch
 
 from replicas import deployment
 from replicas.channel import Channeled, ChannelOpen, NeedChannel, decode
+from replicas.core_client import SUSPECT_SILENCE_S
+from replicas.core_protocol import HEARTBEAT_S
 from replicas.deployment import LLMServer, ReplicaConfig
 from replicas.embedded import EMBEDDED_MODEL_ID
 from replicas.request import EngineError, GenerateRequest, SamplingParams
@@ -714,7 +716,11 @@ async def test_a_failed_step_with_the_next_one_scheduled_ahead_fails_only_its_re
 async def test_a_command_sent_to_a_dead_core_returns_and_a_new_core_serves() -> None:
     """The front's command socket binds, so with its core gone a blocking send waited for a peer
     that never came, holding the replica's event loop and the lock the monitor needs to start
-    the next core: a chaos run wedged a replica so, killed between two of the monitor's looks."""
+    the next core: a chaos run wedged a replica so, killed between two of the monitor's looks.
+    And a core that has gone silent for seconds (frozen) takes no new requests from the routers
+    (replicas/router.py) before the monitor's limit has it killed."""
+    import signal
+
     import psutil
 
     server = LLMServer(ReplicaConfig(model=EMBEDDED_MODEL_ID, max_model_len=128,
@@ -722,6 +728,15 @@ async def test_a_command_sent_to_a_dead_core_returns_and_a_new_core_serves() -> 
     try:
         core = server.core
         pid = (await server.fresh_stats())["core_pid"]
+        assert server.engine_up()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(SUSPECT_SILENCE_S + 0.5)
+            assert not server.engine_up()
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        await asyncio.sleep(2 * HEARTBEAT_S)
+        assert server.engine_up()
         why_down = core._why_down  # type: ignore[union-attr]
         # the monitor has not looked yet
         core._why_down = lambda: None  # type: ignore[union-attr]
