@@ -41,11 +41,11 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument("--duration-s", type=float, default=600.0)
     p.add_argument("--period-s", type=float, default=25.0, help="between two events")
-    p.add_argument("--actions", default="kill,kill,stop",
+    p.add_argument("--actions", type=parse_actions, default="kill,kill,stop",
                    help="the events' signals in turn, each 'kill' or 'stop'")
     p.add_argument("--max-concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--end-within-s", default="kill=5,stop=25",
+    p.add_argument("--end-within-s", type=parse_bounds, default="kill=5,stop=25",
                    help="how long after an event each of its requests in flight may take to end")
     p.add_argument("--recover-within-s", type=float, default=90.0)
     p.add_argument("--seed", type=int, default=0)
@@ -68,6 +68,13 @@ def cores() -> list[psutil.Process]:
                 and proc.info["status"] not in (psutil.STATUS_ZOMBIE, psutil.STATUS_STOPPED)):
             found.append(proc)
     return sorted(found, key=lambda p: p.pid)
+
+
+def parse_actions(text: str) -> list[str]:
+    actions = [a.strip() for a in text.split(",")]
+    if any(a not in SIGNALS for a in actions):
+        raise argparse.ArgumentTypeError(f"each of {sorted(SIGNALS)}, got {text!r}")
+    return actions
 
 
 def parse_bounds(text: str) -> dict[str, float]:
@@ -133,9 +140,6 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     base = args.base_url.rstrip("/")
     url = base + "/v1/chat/completions"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    actions = [a.strip() for a in args.actions.split(",")]
-    if not actions or any(a not in SIGNALS for a in actions):
-        raise RuntimeError(f"--actions: each of {sorted(SIGNALS)}, got {args.actions!r}")
     if not cores():
         raise RuntimeError(f"no {CORE_MARKER} process on this node: run on the server's node")
     rng = random.Random(args.seed)
@@ -156,7 +160,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             if not running:
                 events.append(Event(clock(), "none", None))
                 continue
-            action = actions[n % len(actions)]
+            action = args.actions[n % len(args.actions)]
             target = running[n % len(running)]
             try:
                 target.send_signal(SIGNALS[action])
@@ -188,7 +192,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                                  headers=headers) as client:
         await asyncio.gather(chaos(), watch_health(client),
                              *(worker(client, w) for w in range(args.max_concurrency)))
-    result = summarize(outcomes, events, health, args.end_within, args.recover_within_s,
+    result = summarize(outcomes, events, health, args.end_within_s, args.recover_within_s,
                        args.duration_s)
     result["model"] = model
     result["outcomes"] = [asdict(o) for o in outcomes]
@@ -197,9 +201,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_cli(args: argparse.Namespace) -> int:
     try:
-        args.end_within = parse_bounds(args.end_within_s)
         result = asyncio.run(_run(args))
-    except (RuntimeError, OSError, argparse.ArgumentTypeError, httpx.HTTPError) as exc:
+    except (RuntimeError, OSError, httpx.HTTPError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(f"{result['requests']} requests, {result['succeeded']} succeeded; statuses "

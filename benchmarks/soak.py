@@ -14,6 +14,7 @@ import json
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,7 +113,7 @@ class Outcome:
 
 
 async def attempt(client: httpx.AsyncClient, url: str, body: dict[str, Any], stream: bool,
-                  disconnect: bool, clock: Any = time.perf_counter) -> Outcome:
+                  disconnect: bool, clock: Callable[[], float] = time.perf_counter) -> Outcome:
     """Sends one request; `disconnect`: a stream left after its first chunk (the server must
     free what it held)."""
     out = Outcome(clock())

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from benchmarks.chaos import Event, parse_bounds, summarize
+from benchmarks.chaos import Event, parse_actions, parse_bounds, summarize
 from benchmarks.soak import Outcome
 
 BOUNDS = {"kill": 5.0, "stop": 25.0}
@@ -50,7 +50,10 @@ def test_each_broken_promise_is_a_failure() -> None:
     assert len(report["failures"]) == 7
 
 
-def test_bounds_parse_and_unknown_actions_are_refused() -> None:
+def test_bounds_and_actions_parse_and_unknown_actions_are_refused() -> None:
     assert parse_bounds("kill=5,stop=25") == BOUNDS
+    assert parse_actions("kill, stop") == ["kill", "stop"]
     with pytest.raises(argparse.ArgumentTypeError):
         parse_bounds("term=5")
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_actions("kill,term")
