@@ -47,6 +47,7 @@ from replicas.kernels import isa
 from replicas.logits_processors import load_factory
 from replicas.model_files import resolve_model_path
 from replicas.models import text_config
+from replicas.niceness import set_niceness
 from replicas.output_pacer import Errors, OutputPacer, Outputs
 from replicas.replica_config import CoreSpec
 from replicas.request import EngineError, GenerateRequest
@@ -289,20 +290,6 @@ def _set_title(name: str) -> None:
     setproctitle.setproctitle(f"shardserve::EngineCore {name}")
 
 
-def _set_niceness(niceness: int | None) -> None:
-    """For every thread so far (Linux keeps a niceness per thread; imports start some), before
-    the ones that compute: new threads (the compute thread, OpenMP's team, ZeroMQ's) take their
-    creator's."""
-    if niceness is None:
-        return
-    try:
-        for task in os.listdir("/proc/self/task"):
-            os.setpriority(os.PRIO_PROCESS, int(task), niceness)
-    except OSError as e:
-        logger.warning("the engine core stays at niceness %d (%s: %d wants CAP_SYS_NICE)",
-                       os.getpriority(os.PRIO_PROCESS, 0), e.strerror, niceness)
-
-
 async def _serve(spec: CoreSpec, input_addr: str, output_addr: str, parent: int) -> None:
     import zmq
 
@@ -393,7 +380,7 @@ def main(argv: list[str] | None = None) -> None:
     _set_title(spec.name)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s EngineCore %(levelname)s "
                         "%(name)s: %(message)s")
-    _set_niceness(spec.config.core_niceness)
+    set_niceness(spec.config.core_niceness, "engine core")
     profile = _profiler(os.environ.get("SHARDSERVE_CORE_PROFILE"))
 
     def _exit(*_: Any) -> None:

@@ -150,6 +150,10 @@ class AppConfig(BaseModel):
     port: int = Field(8000, ge=0, le=65535)
     ingress_num_replicas: int = Field(1, ge=1)
     ingress_num_cpus: float = Field(0.25, ge=0)
+    # the ingress's and /health's niceness (None: Ray's 15). At 15, behind an engine core at 5,
+    # the ingress got too little of the cores to shed a burst: on a 2-core AVX2 box, 1,000
+    # requests at once were all answered after 5.3-7.6 s, at 5 after 3.4-4.0 (replicas/niceness.py)
+    front_niceness: int | None = Field(5, ge=-20, le=19)
     max_body_bytes: int = Field(4 * 2**20, ge=1024)
     max_n: int = Field(16, ge=1)
     logits_processors: list[str] = Field(default_factory=list)

@@ -27,6 +27,7 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from replicas.request import GenerateRequest, MultiModalItem, TokenBatch
+from replicas.niceness import set_niceness
 from replicas.status_board import BoardReader, app_name_here
 from serve_app import (admission, chat, multimodal, openapi, reasoning_formats, sampling,
                        tool_choice)
@@ -232,6 +233,7 @@ class Generation:
 @serve.ingress(app)
 class Ingress:
     def __init__(self, config: AppConfig, handles: dict[str, Any]) -> None:
+        set_niceness(config.front_niceness, "ingress")
         self.config = config
         keys = list(config.api_keys)
         if config.api_key_file:
