@@ -23,9 +23,9 @@ from tests.conftest import free_port
 
 pytestmark = pytest.mark.slow
 
-# ~25 s a cycle on 2 cores: the suite runs 6 (each way of stopping twice) to stay within its
-# time; SHARDSERVE_START_STOP_CYCLES=20 gives the count the reliability issue set
-CYCLES = int(os.environ.get("SHARDSERVE_START_STOP_CYCLES", "6"))
+# 25-40 s a cycle on 2 cores (Zen 5 / Zen 3): the suite runs 3 (each way of stopping once) to
+# stay within its time; SHARDSERVE_START_STOP_CYCLES=20 gives the count the reliability issue set
+CYCLES = int(os.environ.get("SHARDSERVE_START_STOP_CYCLES", "3"))
 MODEL = "shardserve/tiny-llama"
 SERVE = [os.path.join(os.path.dirname(sys.executable), "shardserve"), "serve", "--model", MODEL,
          "--max-model-len", "1024", "--kv-cache-gib", "0.05", "--max-num-seqs", "4",
