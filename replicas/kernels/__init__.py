@@ -223,12 +223,14 @@ def float32_panel() -> int:
 
 def pack_mixed(weight: torch.Tensor, panel: int | None = None) -> torch.Tensor:
     """float32 weight [N, K] -> bf16 [ceil(N/P), K, P], P this build's panel (or `panel`),
-    zero-padded past N: the layout `linear_mixed` reads (see linear.c)."""
+    zero-padded past N, each k's P columns interleaved as (0, P/2), (1, P/2 + 1), ...: the layout
+    `linear_mixed` reads (see linear.c's `widen`)."""
     n, k = weight.shape
     panel = panel or float32_panel()
     padded = weight.new_zeros(-(-n // panel) * panel, k, dtype=torch.bfloat16)
     padded[:n] = weight
-    return padded.view(-1, panel, k).transpose(1, 2).contiguous()
+    panels = padded.view(-1, 2, panel // 2, k).permute(0, 3, 2, 1)  # [panels, K, P/2, 2]
+    return panels.reshape(-1, k, panel).contiguous()
 
 
 @cache

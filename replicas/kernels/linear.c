@@ -187,24 +187,22 @@ int linear_bf16(const void *x, const void *w, const void *bias, void *y, int64_t
    Written once with GCC vector extensions: each ISA build gets its own vector width (VBYTES), so
    its own panel (two vectors of output columns) and row tile (accumulators that fit its
    registers: 16 on AVX2 and SSE, 32 on AVX-512 and NEON). The packed weight is
-   [ceil(N/PANEL_MIXED)][K][PANEL_MIXED] bf16, zero-padded past N; `linear_mixed_panel` tells Python
-   the panel. Rows go in blocks that stay in L2 while the panels (split across threads) pass over
+   [ceil(N/PANEL_MIXED)][K][PANEL_MIXED] bf16, zero-padded past N, each k's columns interleaved
+   (`widen`); `linear_mixed_panel` tells Python the panel. Rows go in blocks that stay in L2 while the panels (split across threads) pass over
    them. */
 
 int linear_mixed_panel(void) { return PANEL_MIXED; }
 
-/* LANES bf16 at p as float32: one zero-extending load and a shift (GCC splits the generic
-   conversion into 128-bit halves on AVX2, three times the instructions) */
-KERNEL_INLINE vf widen(const uint16_t *p) {
-#if VBYTES == 64
-    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16);
-#elif VBYTES == 32 && defined(__AVX2__)
-    return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const void *)p)), 16);
-#else
-    vh h;
-    memcpy(&h, p, sizeof h);
-    return (vf)(__builtin_convertvector(h, vu) << 16);
-#endif
+/* One k's PANEL_MIXED bf16 at p as two float32 vectors. The panel stores each k's columns
+   interleaved, (0, LANES), (1, LANES + 1), ...: one vector load, and in each 32-bit lane the low
+   half shifted up is column j's float32 and the high half masked column LANES + j's. Two
+   instructions besides the load, on any vector width; zero-extending each half (vpmovzxwd + a
+   shift per vector) was four, and on AVX2 the shuffles and shifts take ports from the FMAs. */
+KERNEL_INLINE void widen(const uint16_t *p, vf *w0, vf *w1) {
+    vu v;
+    memcpy(&v, p, sizeof v);
+    *w0 = (vf)(v << 16);
+    *w1 = (vf)(v & 0xffff0000u);
 }
 
 FLOAT_TILE(mixed_tile, uint16_t, widen)

@@ -410,10 +410,9 @@ static void unpack(uint32_t qtype, const uint8_t *panel, float *out, int64_t K) 
         }
 }
 
-KERNEL_INLINE vf load_floats(const float *p) {
-    vf v;
-    memcpy(&v, p, sizeof v);
-    return v;
+KERNEL_INLINE void load_floats(const float *p, vf *w0, vf *w1) {
+    memcpy(w0, p, sizeof *w0);
+    memcpy(w1, p + LANES, sizeof *w1);
 }
 
 FLOAT_TILE(f32_tile, float, load_floats)
