@@ -82,8 +82,7 @@ def deploy(config: AppConfig, app_name: str = "shardserve") -> None:
     start side by side: the health replica's start no longer waits for the model's)."""
     serve.run_many([
         serve.RunTarget(build_app(config), name=app_name, route_prefix="/"),
-        serve.RunTarget(build_health_app(app_name, config.front_niceness),
-                        name=health_app_name(app_name),
+        serve.RunTarget(build_health_app(app_name), name=health_app_name(app_name),
                         route_prefix=HEALTH_ROUTE)])
 
 

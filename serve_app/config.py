@@ -150,9 +150,8 @@ class AppConfig(BaseModel):
     port: int = Field(8000, ge=0, le=65535)
     ingress_num_replicas: int = Field(1, ge=1)
     ingress_num_cpus: float = Field(0.25, ge=0)
-    # the ingress's and /health's niceness (None: Ray's 15). At 15, behind an engine core at 5,
-    # the ingress got too little of the cores to shed a burst: on a 2-core AVX2 box, 1,000
-    # requests at once were all answered after 5.3-7.6 s, at 5 after 3.4-4.0 (replicas/niceness.py)
+    # the ingress's niceness while it refuses requests for want of room, until 2 s after the
+    # last refusal (None: never changed); serving, it stays at Ray's 15 (replicas/niceness.py)
     front_niceness: int | None = Field(5, ge=-20, le=19)
     max_body_bytes: int = Field(4 * 2**20, ge=1024)
     max_n: int = Field(16, ge=1)

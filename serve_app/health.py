@@ -19,9 +19,7 @@ from starlette.responses import Response
 from ray import serve
 from ray.serve import Application
 
-from replicas.niceness import set_niceness
 from replicas.status_board import BoardReader
-from serve_app.config import AppConfig
 from serve_app.errors import APIError
 
 HEALTH_ROUTE = "/health"
@@ -38,8 +36,7 @@ class Health:
     """A plain ASGI-request deployment: one route, no FastAPI (which cannot route the bare
     prefix: the request for /health arrives with an empty path under its root path)."""
 
-    def __init__(self, app_name: str, niceness: int | None = None) -> None:
-        set_niceness(niceness, "/health replica")
+    def __init__(self, app_name: str) -> None:
         self.board = BoardReader(app_name)
         with contextlib.suppress(RuntimeError):  # no running loop outside Serve
             self.board.start()
@@ -59,12 +56,10 @@ class Health:
         return Response(status_code=200)
 
 
-def build_health_app(app_name: str, niceness: int | None = None) -> Application:
-    return Health.bind(app_name, niceness)
+def build_health_app(app_name: str) -> Application:
+    return Health.bind(app_name)
 
 
 def health_builder(args: dict[str, Any]) -> Application:
-    """The entry `serve run serve_config.yaml` uses: `args: {app_name: <the main app's name>,
-    front_niceness: <as the main app's>}`."""
-    return build_health_app(str(args.get("app_name", "shardserve")),
-                            args.get("front_niceness", AppConfig().front_niceness))
+    """The entry `serve run serve_config.yaml` uses: `args: {app_name: <the main app's name>}`."""
+    return build_health_app(str(args.get("app_name", "shardserve")))

@@ -27,7 +27,7 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from replicas.request import GenerateRequest, MultiModalItem, TokenBatch
-from replicas.niceness import set_niceness
+from replicas.niceness import LoadPriority
 from replicas.status_board import BoardReader, app_name_here
 from serve_app import (admission, chat, multimodal, openapi, reasoning_formats, sampling,
                        tool_choice)
@@ -233,7 +233,6 @@ class Generation:
 @serve.ingress(app)
 class Ingress:
     def __init__(self, config: AppConfig, handles: dict[str, Any]) -> None:
-        set_niceness(config.front_niceness, "ingress")
         self.config = config
         keys = list(config.api_keys)
         if config.api_key_file:
@@ -242,7 +241,8 @@ class Ingress:
         self.registry = ModelRegistry([load_model(m, handles[m.name]) for m in config.models])
         self.metrics = Metrics()
         self.admission = Admission(config)
-        app.state.check_room = lambda: self.admission.check_room(self.board.draining)
+        self.priority = LoadPriority(config.front_niceness)
+        app.state.check_room = self._check_room
         self.pre = Preprocessor(config)
         self.media = MediaFetcher(MediaPolicy(
             tuple(d.lower().rstrip(".") for d in config.allowed_media_domains)
@@ -294,6 +294,15 @@ class Ingress:
             info["max_model_len"], min(info["vocab_size"], len(served.tokenizer)),
             self.config.max_n, served.config.priority_scheduling,
             frozenset(self.config.logits_processors), served.defaults)
+
+    def _check_room(self) -> None:
+        """The shedding layer's question: raises the refusal, for which the ingress takes the
+        core's CPU priority until the burst is over."""
+        try:
+            self.admission.check_room(self.board.draining)
+        except APIError:
+            self.priority.refused()
+            raise
 
     def _admit(self, served: ServedModel, request: Request) -> Ticket:
         return self.admission.admit(served.name, getattr(request.state, "api_key", None))
