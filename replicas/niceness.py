@@ -38,8 +38,8 @@ class LoadPriority:
     """The ingress's niceness: as started (Ray's 15) while it serves, `niceness` from a refusal
     until `hold_s` after the last one. On a 2-core AVX2 Zen 3 box, 1,000 requests at once against
     a capacity of 12 were all answered after 3.4-4.0 s with the ingress at 5, 5.3-9.2 s at 15;
-    held at 5 for good, one stream's TPOT was 29.8 ms against 26.3 at 15. Use from one event
-    loop."""
+    held at 5 for good, one stream's TPOT was 26.6-29.8 ms against 26.3-26.9 at 15. Use from
+    one event loop."""
 
     def __init__(self, niceness: int | None, hold_s: float = 2.0) -> None:
         self.niceness = niceness

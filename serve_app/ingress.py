@@ -26,8 +26,8 @@ from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-from replicas.request import GenerateRequest, MultiModalItem, TokenBatch
 from replicas.niceness import LoadPriority
+from replicas.request import GenerateRequest, MultiModalItem, TokenBatch
 from replicas.status_board import BoardReader, app_name_here
 from serve_app import (admission, chat, multimodal, openapi, reasoning_formats, sampling,
                        tool_choice)

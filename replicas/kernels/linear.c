@@ -188,8 +188,8 @@ int linear_bf16(const void *x, const void *w, const void *bias, void *y, int64_t
    its own panel (two vectors of output columns) and row tile (accumulators that fit its
    registers: 16 on AVX2 and SSE, 32 on AVX-512 and NEON). The packed weight is
    [ceil(N/PANEL_MIXED)][K][PANEL_MIXED] bf16, zero-padded past N, each k's columns interleaved
-   (`widen`); `linear_mixed_panel` tells Python the panel. Rows go in blocks that stay in L2 while the panels (split across threads) pass over
-   them. */
+   (`widen`); `linear_mixed_panel` tells Python the panel. Rows go in blocks that stay in L2
+   while the panels (split across threads) pass over them. */
 
 int linear_mixed_panel(void) { return PANEL_MIXED; }
 

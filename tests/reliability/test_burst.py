@@ -5,6 +5,7 @@ the memory of the replica, its engine core and the ingress comes back; the serve
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 
@@ -56,8 +57,10 @@ def _chat() -> dict:
 def test_burst_is_shed_within_the_deadline(base_url: str) -> None:
     procs = _serve_processes()
     assert set(procs) == {"ingress", "replica", "core"}
-    # serving, the ingress stays at Ray's 15, behind the core's 5 (replicas/niceness.py)
-    assert procs["ingress"].nice() == 15 and procs["core"].nice() == 5
+    # serving, the ingress stays at Ray's 15, behind the core's 5 (replicas/niceness.py; where
+    # lowering a niceness is not permitted both stay at 15)
+    renices = os.geteuid() == 0
+    assert procs["ingress"].nice() == 15 and procs["core"].nice() == (5 if renices else 15)
     warm_s = []
     for _ in range(20):  # warm: the first requests build caches and import paths
         started = time.monotonic()
@@ -80,7 +83,7 @@ def test_burst_is_shed_within_the_deadline(base_url: str) -> None:
     finally:
         bursting.set()
         watcher.join()
-    assert 5 in niceness, niceness
+    assert (5 in niceness) == renices, niceness
 
     counts = result.counts
     assert set(counts) <= {200, 429, 503}, counts
