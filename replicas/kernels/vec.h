@@ -66,7 +66,6 @@ enum { DEAL_STOLEN, DEAL_ONE, DEAL_STATIC };
 typedef float vf __attribute__((vector_size(VBYTES)));
 typedef uint32_t vu __attribute__((vector_size(VBYTES)));
 typedef int32_t vi __attribute__((vector_size(VBYTES)));
-typedef uint16_t vh __attribute__((vector_size(VBYTES / 2)));
 typedef uint8_t vb __attribute__((vector_size(VBYTES / 4)));
 typedef int8_t vsb __attribute__((vector_size(VBYTES / 4)));
 
