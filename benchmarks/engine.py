@@ -48,8 +48,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--core", choices=["in-process", "process"], default="in-process",
                    help="process: the engine core in a process of its own, as served (no Ray, "
                         "no HTTP); the floors below are then not measured")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="schedule each step while the one before it runs (default: on GPUs)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+                   help="schedule each step while the one before it runs (default off, as served)")
     p.add_argument("--result-json", type=Path)
 
 

@@ -6,8 +6,8 @@
 #
 #   OUT=/tmp/gpu benchmarks/gpu_suite.sh [MODEL ...]   (default: bench-135m and bench-1b)
 # SERVE_ARGS adds `shardserve serve` flags (e.g. "--config more-ingress.yaml"), ENGINE_ARGS
-# `bench engine` flags (async scheduling is on by default on GPUs: "--no-async-scheduling" gives
-# the engine that schedules after each step's result, for an A/B); SKIP_ENGINE=1
+# `bench engine` flags (async scheduling is off by default: "--async-scheduling" gives the
+# engine that schedules each step while the one before it runs, for an A/B); SKIP_ENGINE=1
 # runs only the served load; CONCURRENCY (default "32 256") the stream counts.
 set -uo pipefail
 OUT=${OUT:-gpu-results}

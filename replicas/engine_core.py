@@ -182,8 +182,7 @@ class EngineCore:
         if waiting_steps is None:
             waiting_steps = DEFAULT_WAITING_STEPS if self.info["cuda_graphs"] else 0
         self.info["max_waiting_steps"] = waiting_steps
-        self.info["async_scheduling"] = (on_gpu if config.async_scheduling is None
-                                         else config.async_scheduling)
+        self.info["async_scheduling"] = config.async_scheduling
         self.engine = Engine(
             EngineConfig(max_len, executor.num_blocks(), config.block_size, config.max_num_seqs,
                          config.max_num_batched_tokens, config.max_waiting,

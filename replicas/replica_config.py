@@ -48,8 +48,9 @@ class ReplicaConfig:
     # (replicas/scheduler.py); None: 4 where decode steps replay CUDA graphs, else 0
     max_waiting_steps: int | None = None
     # vLLM's --async-scheduling: each step is scheduled while the one before it runs
-    # (replicas/engine.py, Engine._launch_ahead); None: on GPUs, not on CPUs
-    async_scheduling: bool | None = None
+    # (replicas/engine.py, Engine._launch_ahead); off unless asked for: served, it measured
+    # slower on CPUs and on an H200 (benchmarks/RESULTS.md)
+    async_scheduling: bool = False
     # the front kills and restarts a core whose step has run this long (a hung forward) or that
     # has sent nothing for `core_silence_s` (its process is wedged)
     step_timeout_s: float = 120.0

@@ -81,7 +81,8 @@ def _serve_parser(sub: Any) -> None:
                         "where decode steps replay CUDA graphs, else 0)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule each engine step while the one before it runs (vLLM's "
-                        "--async-scheduling; default: on GPUs, off on CPUs)")
+                        "--async-scheduling; default off: served, it measured slower on CPUs "
+                        "and on an H200)")
     p.add_argument("--step-timeout-s", type=float,
                    help="an engine step running this long is taken as hung: the replica kills "
                         "and restarts its engine core (default 120)")

@@ -79,8 +79,9 @@ class ModelConfig(BaseModel):
     # together (TGI's max_waiting_tokens); None: 4 where the replica replays CUDA graphs, else 0
     max_waiting_steps: int | None = Field(None, ge=0)
     # vLLM's --async-scheduling: each engine step is scheduled while the one before it runs;
-    # None: on GPUs (on CPUs the loop's thread takes a core from the forward's: measured slower)
-    async_scheduling: bool | None = None
+    # off unless asked for: served, it measured slower on CPUs (the loop's thread takes a core
+    # from the forward's) and on an H200 (0.84x at 256 streams: benchmarks/RESULTS.md)
+    async_scheduling: bool = False
     # the replica kills and restarts its engine core when a step runs this long (a hung
     # forward); raise it for huge prefill chunks on slow CPUs
     step_timeout_s: float = Field(120.0, gt=0)

@@ -273,30 +273,43 @@ async def test_preemption_by_recompute_keeps_outputs_exact(async_scheduling: boo
         small.close()
 
 
-async def test_shards_get_block_table_deltas_and_hold_the_engines_tables() -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async-scheduling"])
+async def test_shards_get_block_table_deltas_and_hold_the_engines_tables(
+        async_scheduling: bool) -> None:
     """Each step sends a row only the blocks its table gained (all of it after a preemption),
     and drops the tables of finished, aborted and preempted sequences: after every step the
-    runner's table of each row is the engine's, and decode rows carry at most one block."""
+    runner's table of each row is the engine's as the step was built, and decode rows carry at
+    most one block. (Taken when the step is built: under async scheduling the loop may grow,
+    free or preempt a table for the step behind while this one runs, as an H200 run showed.)"""
     small = LLMServer(ReplicaConfig(model=EMBEDDED_MODEL_ID, max_model_len=128,
-                                    kv_cache_gib=1e-9, max_num_seqs=8, block_size=16),
+                                    kv_cache_gib=1e-9, max_num_seqs=8, block_size=16,
+                                    async_scheduling=async_scheduling),
                       in_process=True)
     engine = small.core.engine
     runner = engine.executor.worker.runner
-    execute = engine.executor.execute
+    execute, step_input = engine.executor.execute, engine._step_input
     checked = {"steps": 0, "resent": 0}
+    built: list[tuple[dict[int, list[int]], set[int]]] = []  # FIFO: one compute thread
+
+    def build(scheduled):
+        step = step_input(scheduled)
+        built.append(({s.seq.seq_id: list(s.seq.block_table) for s in scheduled},
+                      set(engine._shipped)))
+        return step
 
     def check(step):
         out = execute(step)
-        seqs = {q.seq_id: q for qs in engine._requests.values() for q in qs}
+        tables, shipped = built.pop(0)
         for row in step.rows:
-            assert runner.block_tables.table(row.seq_id) == seqs[row.seq_id].block_table
+            assert runner.block_tables.table(row.seq_id) == tables[row.seq_id]
             if len(row.token_ids) == 1 and row.start % 16:
                 assert row.blocks == ()  # a decode row within its last block: no block ids
             checked["resent"] += len(row.blocks) > 1 and row.start > 0
-        assert set(runner.block_tables.row_of) <= set(seqs)
+        assert set(runner.block_tables.row_of) <= shipped
         checked["steps"] += 1
         return out
 
+    engine._step_input = build
     engine.executor.execute = check
     try:
         reqs = [GenerateRequest(f"delta{i}", p[:40] + (1,) * max(0, 40 - len(p)),
