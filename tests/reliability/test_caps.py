@@ -20,20 +20,22 @@ import pytest
 
 from benchmarks import caps
 from serve_app import protocol as p
-from tests.conftest import SMALL_MODEL, running_app
+from tests.conftest import PLAIN_APP, shared_app
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.shared_app("plain")]
 
 MODEL = "shardserve/tiny-llama"
 STREAMS = 8
-MAX_TOKENS = 512  # each round spans hundreds of steps (~2 s): robust to a noisy 2-core VM
+# each round spans hundreds of steps: robust to a noisy 2-core VM. ~3 s a round at this box's
+# TPOT, within these bounds (512 tokens took 10 s a round on an AVX2-only Zen 3 box, ~2 s on Zen 5)
+MIN_TOKENS, MAX_TOKENS = 192, 512
+ROUND_S = 3.0
 ROUNDS = 5
 
 
 @pytest.fixture(scope="module")
 def base_url() -> str:
-    with running_app({"models": [SMALL_MODEL]}) as url:
-        yield url
+    return shared_app(PLAIN_APP)
 
 
 def _post(base_url: str, **fields: object) -> httpx.Response:
@@ -59,10 +61,13 @@ async def _rounds(base_url: str, capped: dict) -> dict[str, list[float]]:
     root = base_url.removesuffix("/v1")
     out: dict[str, list[float]] = {"alone": [], "plain": [], "capped": []}
     async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=None)) as http:
-        async def measure(beside: dict | None) -> float:
-            return await caps.measure_round(http, root, MODEL, STREAMS, MAX_TOKENS, beside)
+        # warm-up (prefix cache, first allocations), and the TPOT that sizes the rounds
+        tpot = await caps.measure_round(http, root, MODEL, STREAMS, 128, None)
+        tokens = max(MIN_TOKENS, min(MAX_TOKENS, round(ROUND_S / tpot)))
 
-        await measure(None)  # warm-up: prefix cache, first allocations
+        async def measure(beside: dict | None) -> float:
+            return await caps.measure_round(http, root, MODEL, STREAMS, tokens, beside)
+
         await measure(capped)
         kinds: list[tuple[str, dict | None]] = [("alone", None), ("plain", {}),
                                                   ("capped", capped)]

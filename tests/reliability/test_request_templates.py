@@ -11,12 +11,12 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import SMALL_MODEL, running_app
+from tests.conftest import TRUSTED_APP, shared_app
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.shared_app("trusted")]
 
 MODEL = "shardserve/tiny-llama"
-LIMIT_S = 2.0
+LIMIT_S = TRUSTED_APP["chat_template_timeout_s"]
 LOOP_1E10 = ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
              "never")
 MESSAGES = [{"role": "user", "content": "Hi"}]
@@ -25,9 +25,7 @@ STREAMS = 8
 
 @pytest.fixture(scope="module")
 def base_url() -> str:
-    with running_app({"models": [SMALL_MODEL], "trust_request_chat_template": True,
-                      "chat_template_timeout_s": LIMIT_S}) as url:
-        yield url
+    return shared_app(TRUSTED_APP)
 
 
 def chat(base_url: str, template: str) -> httpx.Response:

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import SMALL_MODEL, running_app
+from tests.conftest import PLAIN_APP, shared_app
 
 MODEL = "shardserve/tiny-llama"
 MESSAGES = [{"role": "system", "content": "You are terse."},
@@ -24,10 +24,12 @@ CMPL = "/v1/completions"
 JSON = {"content-type": "application/json"}
 
 
+pytestmark = pytest.mark.shared_app("plain")
+
+
 @pytest.fixture(scope="module")
 def root() -> str:
-    with running_app({"models": [SMALL_MODEL]}) as url:
-        yield url.removesuffix("/v1")
+    return shared_app(PLAIN_APP).removesuffix("/v1")
 
 
 def chat_case(case_id: str, fields: dict[str, Any], param: str | None,

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from serve_app.cli import main
-from tests.conftest import SMALL_MODEL, free_port, running_app
+from tests.conftest import PLAIN_APP, SMALL_MODEL, free_port, shared_app
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = SMALL_MODEL["model"]
@@ -26,11 +25,13 @@ N = 200
 BAD_ID = "req-137"  # max_tokens < 1: the server answers 400, the line records it
 
 
+pytestmark = pytest.mark.shared_app("plain")
+
+
 @pytest.fixture(scope="module")
-def server() -> Iterator[str]:
+def server() -> str:
     """The server root (no /v1), as `--base-url` takes it."""
-    with running_app({"models": [SMALL_MODEL]}) as url:
-        yield url.removesuffix("/v1")
+    return shared_app(PLAIN_APP).removesuffix("/v1")
 
 
 def _request(i: int) -> dict[str, Any]:

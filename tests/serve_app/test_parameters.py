@@ -19,7 +19,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from tests.conftest import SMALL_MODEL, running_app
+from tests.conftest import TRUSTED_APP, shared_app
 
 MODEL = "shardserve/tiny-llama"
 MESSAGES = [{"role": "system", "content": "You are terse."},
@@ -35,11 +35,13 @@ BARE_TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}"
 BARE_MESSAGES = [{"role": "user", "content": "Q?"}]
 
 
+pytestmark = pytest.mark.shared_app("trusted")
+
+
 @pytest.fixture(scope="module")
 def base_url() -> str:
     # the tests render bare prompts through per-request templates
-    with running_app({"models": [SMALL_MODEL], "trust_request_chat_template": True}) as url:
-        yield url
+    return shared_app(TRUSTED_APP)
 
 
 @pytest.fixture(scope="module")

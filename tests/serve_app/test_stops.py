@@ -21,9 +21,9 @@ from transformers import AutoTokenizer
 
 from replicas.embedded import EMBEDDED_MODEL_ID
 from replicas.model_files import resolve_model_path
-from tests.conftest import SMALL_MODEL, running_app
+from tests.conftest import PLAIN_APP, shared_app
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.shared_app("plain")]
 
 MODEL = "shardserve/tiny-llama"
 BACKGROUND = 32
@@ -33,8 +33,7 @@ SEED = 1234
 
 @pytest.fixture(scope="module")
 def base_url() -> str:
-    with running_app({"models": [{**SMALL_MODEL, "max_num_seqs": 48}]}) as url:
-        yield url
+    return shared_app(PLAIN_APP)  # 48 sequences at once
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from tests.conftest import SMALL_MODEL, running_app
+from tests.conftest import PLAIN_APP, shared_app
 
 MODEL = "shardserve/tiny-llama"
 MSG = [{"role": "user", "content": "Answer in the required format."}]
@@ -26,11 +26,12 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
                          "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
 
 
+pytestmark = pytest.mark.shared_app("plain")
+
+
 @pytest.fixture(scope="module")
 def base_url() -> str:
-    model = {**SMALL_MODEL, "structured_timeout_s": 2.0}
-    with running_app({"models": [model]}) as url:
-        yield url
+    return shared_app(PLAIN_APP)  # a compile limit of 2 s
 
 
 @pytest.fixture(scope="module")
