@@ -92,10 +92,11 @@ def running_app(config_args: dict[str, Any], num_cpus: int = 4,
 _shared: dict[str, Any] = {}  # the live shared app: its key, its ExitStack, its URL
 
 
-def shared_app(config_args: dict[str, Any], http_front: str = "serve-proxy") -> str:
+def shared_app(config_args: dict[str, Any], http_front: str = "haproxy") -> str:
     """The base URL (…/v1) of an app kept for the modules that ask for the same one (each marked
     `shared_app`, so they run one after another): started by the first, stopped when another
-    app starts or the session ends. On a 2-core box each start is 25-35 s."""
+    app starts or the session ends. On a 2-core box each start is 25-35 s. Behind HAProxy, as
+    `shardserve serve` runs it."""
     key = json.dumps([config_args, http_front], sort_keys=True)
     if _shared.get("key") == key:
         return _shared["url"]

@@ -23,9 +23,10 @@ from tests.conftest import free_port
 
 pytestmark = pytest.mark.slow
 
-# 25-40 s a cycle on 2 cores (Zen 5 / Zen 3): the suite runs 3 (each way of stopping once) to
-# stay within its time; SHARDSERVE_START_STOP_CYCLES=20 gives the count the reliability issue set
-CYCLES = int(os.environ.get("SHARDSERVE_START_STOP_CYCLES", "3"))
+# 25-40 s a cycle on 2 cores (Zen 5 / Zen 3): the suite runs 2 (Ctrl-C, SIGTERM to the group;
+# the drain test below stops by SIGTERM to the process and checks the same) to stay within its
+# time; SHARDSERVE_START_STOP_CYCLES=20 gives the count the reliability issue set
+CYCLES = int(os.environ.get("SHARDSERVE_START_STOP_CYCLES", "2"))
 MODEL = "shardserve/tiny-llama"
 SERVE = [os.path.join(os.path.dirname(sys.executable), "shardserve"), "serve", "--model", MODEL,
          "--max-model-len", "1024", "--kv-cache-gib", "0.05", "--max-num-seqs", "4",
@@ -92,7 +93,7 @@ def _chat(base: str, **extra) -> httpx.Response:
 @pytest.mark.timeout(60 * CYCLES + 120)
 def test_start_stop_cycles_leave_nothing() -> None:
     port = free_port()
-    ways = ["term", "ctrl-c", "group-term"]
+    ways = ["ctrl-c", "group-term", "term"]
     times = []
     for cycle in range(CYCLES):
         proc = _start(port, "--shutdown-grace-s", "2")

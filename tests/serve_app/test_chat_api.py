@@ -14,17 +14,19 @@ import pytest
 import torch
 from openai import OpenAI
 
-from tests.conftest import SMALL_MODEL, running_app
+from tests.conftest import PLAIN_APP, shared_app
 
 MODEL = "shardserve/tiny-llama"
 MESSAGES = [{"role": "system", "content": "You are terse."},
             {"role": "user", "content": "Name three colours."}]
 
 
+pytestmark = pytest.mark.shared_app("plain")
+
+
 @pytest.fixture(scope="module")
 def base_url() -> str:
-    with running_app({"models": [SMALL_MODEL]}, http_front="haproxy") as url:
-        yield url
+    return shared_app(PLAIN_APP)
 
 
 @pytest.fixture(scope="module")
