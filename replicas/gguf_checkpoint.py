@@ -5,9 +5,10 @@ tensors.
 holds besides its weights: config.json and the tokenizer files (transformers' conversion of the
 GGUF metadata: vocabulary, merges, special tokens, chat template), plus `model.gguf`, a link to
 the file. The ingress's tokenizer and template code and the engine's config reading then treat it
-as any folder; `loader.load_weights` reads the weights through the link with `read_tensors`,
-which names each tensor as Hugging Face does and undoes the Q/K row permutation llama.cpp's
-converter applies to Llama-architecture checkpoints.
+as any folder; `loader.load_weights` reads the weights through the link with `read_tensors`
+(over `gguf_reader.GGUFFile`, not gguf-py's slower reader), which names each tensor as Hugging
+Face does and undoes the Q/K row permutation llama.cpp's converter applies to Llama-architecture
+checkpoints.
 
 Every tensor type is read: Q4_0, Q4_1 and Q8_0 stay in their blocks for the native kernels
 (`quant.py`), Q4_K is repacked into Q4_1 blocks and Q6_K into 6-bit Q6 blocks
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 
 from replicas import quant
+from replicas.gguf_reader import GGUFFile
 
 LINK = "model.gguf"
 BUILDER_VERSION = 1
@@ -55,23 +57,16 @@ class GGUFError(ValueError):
     """A GGUF file shardserve cannot serve: broken, truncated, or of an unsupported kind."""
 
 
-def _reader(file: Path):
-    from gguf import GGUFReader
-
+def _reader(file: Path) -> GGUFFile:
     try:
-        return GGUFReader(str(file))
-    except Exception as exc:  # gguf-py raises ValueError, struct errors, IndexError on bad files
+        return GGUFFile(file)
+    except Exception as exc:  # ValueError, struct.error on a short header, OSError
         raise GGUFError(f"{file}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
 
 
-def _field(reader, key: str):
-    field = reader.fields.get(key)
-    return None if field is None else field.contents()
-
-
-def _architecture(reader, file: Path) -> str:
+def _architecture(reader: GGUFFile, file: Path) -> str:
     """The file's GGUF architecture, checked against those shardserve's model code has."""
-    arch = _field(reader, "general.architecture")
+    arch = reader.metadata.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise GGUFError(f"{file}: GGUF architecture {arch!r} is not supported "
                         f"(supported: {', '.join(ARCHITECTURES)})")
@@ -171,11 +166,7 @@ def read_tensors(file: Path, heads: int, kv_heads: int) -> Iterator[GGUFTensor]:
         if t.name == "rope_freqs.weight":
             continue
         name = hf_name(t.name)
-        kind = int(t.tensor_type)
-        try:
-            data = np.asarray(t.data)
-        except Exception as exc:  # a truncated file's memmap comes up short
-            raise GGUFError(f"{file}: tensor {t.name} cannot be read ({exc})") from exc
+        kind, data = t.tensor_type, np.asarray(t.data)  # uint8 rows, as stored
         fmt, dequantized = quant.NATIVE.get(kind), False
         if fmt is not None or kind in quant.REPACKED:
             raw = torch.from_numpy(data.copy()).view(torch.uint8).reshape(data.shape[0], -1)
