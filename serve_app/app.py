@@ -7,6 +7,7 @@ health application too); the CLI (`shardserve serve`) and the tests deploy with 
 from __future__ import annotations
 
 import re
+import time
 from typing import Any
 
 from ray import serve
@@ -86,10 +87,17 @@ def deploy(config: AppConfig, app_name: str = "shardserve") -> None:
                         route_prefix=HEALTH_ROUTE)])
 
 
-def undeploy(app_name: str = "shardserve") -> None:
-    """Deletes both from a cluster that serves other applications too."""
-    serve.delete(health_app_name(app_name))
-    serve.delete(app_name)
+def undeploy(app_name: str = "shardserve", timeout_s: float = 60.0) -> None:
+    """Deletes both from a cluster that serves other applications too, side by side (one after
+    the other each waited out its replicas' ~2 s graceful stop)."""
+    names = (health_app_name(app_name), app_name)
+    for name in names:
+        serve.delete(name, _blocking=False)
+    deadline = time.monotonic() + timeout_s
+    while set(names) & set(serve.status().applications):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{names} were not deleted within {timeout_s:.0f} s")
+        time.sleep(0.1)
 
 
 def app_builder(args: dict[str, Any]) -> Application:

@@ -1,5 +1,5 @@
-"""Shared fixtures: a real Ray Serve app on the embedded model, started once per test module, or
-once for the modules marked `shared_app` that ask for the same one."""
+"""Shared fixtures: real Ray Serve apps on the embedded models, on one Ray instance and Serve
+kept for the session, each deployed once for the modules marked `shared_app` that ask for it."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import torch
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # the modules that share an app run last, grouped by it: each app starts once, and no other
-    # module runs beside an idle one or starts Ray while it lives
+    # the modules that deploy an app run last, grouped by it: each app is deployed once, and no
+    # other module runs beside an idle Ray or starts Ray (or `shardserve serve`) while it lives
     def group(item: pytest.Item) -> str:
         marker = item.get_closest_marker("shared_app")
         return "" if marker is None else marker.args[0]
@@ -48,70 +48,82 @@ def free_port() -> int:
             return port
 
 
-@contextlib.contextmanager
-def running_app(config_args: dict[str, Any], num_cpus: int = 4,
-                http_front: str = "serve-proxy") -> Iterator[str]:
-    """Starts Ray, Serve (behind `http_front`: see serve_app/http_front.py) and our app; yields
-    the base URL (…/v1); tears all down after."""
+_cluster: dict[str, Any] = {}  # the live Ray instance with Serve: its key, port, saved env
+_shared: dict[str, Any] = {}  # the app deployed on it: its key and URL
+
+
+def _serve_running(num_cpus: int, http_front: str) -> int:
+    """Ray and Serve (behind `http_front`: see serve_app/http_front.py), started once and kept
+    while the apps asked for want the same: each start costs ~10 s (`ray.init` ~5, `serve.start`
+    ~5) on a 2-core box. Returns Serve's port."""
     import os
 
     import ray
     from ray import serve
 
     from serve_app import http_front as fronts
-    from serve_app.app import deploy
-    from serve_app.config import AppConfig
 
-    stop_shared_app()  # one Ray instance at a time in this process
-    port = free_port()
-    config = AppConfig.model_validate({"port": port, **config_args})
+    key = [num_cpus, http_front]
+    if _cluster.get("key") == key:
+        return _cluster["port"]
+    stop_shared_app()
     if http_front == "haproxy" and not fronts.haproxy_available():
         pytest.skip("no HAProxy binary here")
+    port = free_port()
     saved = dict(os.environ)
     fronts.select(http_front)
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        deploy(config)
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                    break
-            time.sleep(0.5)
-        yield f"{base}/v1"
-    finally:
-        # ray.shutdown() ends every actor of this module's Ray instance (a graceful
-        # serve.shutdown() first only adds seconds of draining per module)
-        ray.shutdown()
-        os.environ.clear()
-        os.environ.update(saved)
+    _cluster.update(key=key, port=port, env=saved)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return port
 
 
-_shared: dict[str, Any] = {}  # the live shared app: its key, its ExitStack, its URL
+def shared_app(config_args: dict[str, Any], http_front: str | None = None,
+               num_cpus: int = 4) -> str:
+    """The base URL (…/v1) of our app with `config_args`, on the test session's Ray and Serve
+    (behind HAProxy, as `shardserve serve` runs it, where there is one). The app stays until a
+    module asks for another (then it is deleted and the new one deployed on the same Serve: ~16
+    s instead of ~25 for a new Ray instance) or the session ends; the modules that call this
+    are marked `shared_app` and run last, grouped by the marker's name, so an app shared by
+    modules starts once and no other module runs beside an idle Ray."""
+    from serve_app import http_front as fronts
+    from serve_app.app import deploy, undeploy
+    from serve_app.config import AppConfig
 
-
-def shared_app(config_args: dict[str, Any], http_front: str = "haproxy") -> str:
-    """The base URL (…/v1) of an app kept for the modules that ask for the same one (each marked
-    `shared_app`, so they run one after another): started by the first, stopped when another
-    app starts or the session ends. On a 2-core box each start is 25-35 s. Behind HAProxy, as
-    `shardserve serve` runs it."""
-    key = json.dumps([config_args, http_front], sort_keys=True)
+    http_front = http_front or ("haproxy" if fronts.haproxy_available() else "serve-proxy")
+    key = json.dumps([config_args, http_front, num_cpus], sort_keys=True)
     if _shared.get("key") == key:
         return _shared["url"]
-    stop_shared_app()
-    stack = contextlib.ExitStack()
-    url = stack.enter_context(running_app(config_args, http_front=http_front))
-    _shared.update(key=key, stack=stack, url=url)
-    return url
+    if _shared:
+        _shared.clear()
+        undeploy()
+    port = _serve_running(num_cpus, http_front)
+    deploy(AppConfig.model_validate({"port": port, **config_args}))
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                break
+        time.sleep(0.25)
+    _shared.update(key=key, url=f"{base}/v1")
+    return _shared["url"]
 
 
 def stop_shared_app() -> None:
-    if _shared:
-        stack = _shared["stack"]
-        _shared.clear()
-        stack.close()
+    """Ends the session's Ray instance and every actor of it (a graceful serve.shutdown() first
+    only adds seconds of draining)."""
+    import os
+
+    import ray
+
+    _shared.clear()
+    if _cluster:
+        saved = _cluster["env"]
+        _cluster.clear()
+        ray.shutdown()
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -14,9 +14,9 @@ import psutil
 import pytest
 
 from benchmarks.burst import run_burst
-from tests.conftest import SMALL_MODEL, running_app
+from tests.conftest import SMALL_MODEL, shared_app
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.shared_app("burst"), pytest.mark.slow]
 
 MODEL = "shardserve/tiny-llama"
 # the bound under test is this deadline + 2 s; shedding 1,000 connections takes the ingress 2-4 s
@@ -31,8 +31,7 @@ CONFIG = {"models": [{**SMALL_MODEL, "max_num_seqs": 4, "max_waiting": 8}],
 
 @pytest.fixture(scope="module")
 def base_url() -> str:
-    with running_app(CONFIG, http_front="haproxy") as url:
-        yield url
+    return shared_app(CONFIG, http_front="haproxy")
 
 
 def _serve_processes() -> dict[str, psutil.Process]:

@@ -14,9 +14,9 @@ import openai
 import psutil
 import pytest
 
-from tests.conftest import SMALL_MODEL, running_app
+from tests.conftest import SMALL_MODEL, shared_app
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.shared_app("engine-core"), pytest.mark.slow]
 
 HANGS = "tests.replicas.processors:Hangs"
 STEP_TIMEOUT_S = 3.0
@@ -24,10 +24,9 @@ STEP_TIMEOUT_S = 3.0
 
 @pytest.fixture(scope="module")
 def base_url() -> str:
-    with running_app({"models": [{**SMALL_MODEL, "step_timeout_s": STEP_TIMEOUT_S,
-                                  "health_check_period_s": 2}],
-                      "logits_processors": [HANGS]}) as url:
-        yield url
+    return shared_app({"models": [{**SMALL_MODEL, "step_timeout_s": STEP_TIMEOUT_S,
+                                   "health_check_period_s": 2}],
+                       "logits_processors": [HANGS]})
 
 
 def _cores() -> list[psutil.Process]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -20,19 +19,18 @@ from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 
 from serve_app import ingress
-from tests.conftest import SMALL_MODEL, running_app
+from tests.conftest import SMALL_MODEL, shared_app
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.shared_app("fuzz"), pytest.mark.slow]
 
 CONTEXT = 32
 EXAMPLES = 15  # per operation and phase: ~1 minute for the two generation routes on 2 cores
 
 
 @pytest.fixture(scope="module")
-def base_url() -> Iterator[str]:
-    with running_app({"models": [{**SMALL_MODEL, "max_model_len": CONTEXT}], "max_n": 2},
-                     http_front="haproxy") as url:
-        yield url
+def base_url() -> str:
+    return shared_app({"models": [{**SMALL_MODEL, "max_model_len": CONTEXT}], "max_n": 2},
+                      http_front="haproxy")
 
 
 # the document the app serves, built where the app is (schemathesis's lazy fixture loader does

@@ -15,14 +15,16 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
+from tokenizers.pre_tokenizers import ByteLevel
 
 from replicas import kernels, quant
-from replicas.kernels import isa
 from replicas.embedded import DEFAULT_MODEL_ID, smollm2_file
 from replicas.gguf_checkpoint import GGUFError, gguf_folder, hf_name
+from replicas.gguf_reader import GGUFFile
+from replicas.kernels import isa
 from replicas.model_files import resolve_model_path
 from replicas.worker import ShardWorker, WorkerConfig
 from tests.replicas import isa_steps
@@ -138,21 +140,33 @@ def test_dequantized_where_the_kernels_do_not_run(folder: Path) -> None:
 def _q4_k_llama(path: Path) -> Path:
     """A 2-layer Llama (hidden 256) with seeded weights, a Q4_K_M-like mix: linears in Q4_K but
     for layer 0's ffn_down in Q6_K and layer 1's attn_v in Q6_K (its fused qkv, a mix, is
-    re-quantized to Q8_0 at load), embedding Q8_0, SmolLM2's tokenizer and template."""
+    re-quantized to Q8_0 at load), embedding Q8_0, SmolLM2's tokenizer settings and template
+    over a byte-level vocabulary of 261 tokens (its own 49,152 and their merges took gguf-py and
+    transformers seconds to read at each of the test's loads)."""
     rng = np.random.default_rng(5)
     hidden, ffn, heads, kv_heads, head_dim = 256, 512, 4, 2, 64
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens = specials + sorted(ByteLevel.alphabet()) + ["Ġt", "he"]
     writer = GGUFWriter(str(path), "llama")
     for key, value in (("block_count", 2), ("context_length", 512), ("embedding_length", hidden),
                        ("feed_forward_length", ffn), ("attention.head_count", heads),
                        ("attention.head_count_kv", kv_heads), ("rope.dimension_count", head_dim),
-                       ("vocab_size", 49152)):
+                       ("vocab_size", len(tokens))):
         writer.add_uint32(f"llama.{key}", value)
     writer.add_float32("llama.rope.freq_base", 10000.0)
     writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
-    for key, field in GGUFReader(str(smollm2_file())).fields.items():
-        if key.startswith("tokenizer."):
-            writer.add_key_value(key, field.contents(), field.types[0],
-                                 field.types[1] if len(field.types) > 1 else None)
+    smollm2 = GGUFFile(smollm2_file()).metadata  # its scalars and strings: ids 0-2 are these 3
+    writer.add_tokenizer_model(smollm2["tokenizer.ggml.model"])
+    writer.add_tokenizer_pre(smollm2["tokenizer.ggml.pre"])
+    writer.add_token_list(tokens)
+    writer.add_token_types([3] * len(specials) + [1] * (len(tokens) - len(specials)))
+    writer.add_token_merges(["Ġ t", "h e"])
+    for key in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id",
+                "add_bos_token", "add_space_prefix"):
+        value = smollm2[f"tokenizer.ggml.{key}"]
+        kind = GGUFValueType.BOOL if isinstance(value, bool) else GGUFValueType.UINT32
+        writer.add_key_value(f"tokenizer.ggml.{key}", value, kind)
+    writer.add_chat_template(smollm2["tokenizer.chat_template"])
 
     def add(name: str, shape: tuple[int, ...], kind: GGMLQuantizationType | None) -> None:
         w = (rng.standard_normal(shape) * (0.02 if len(shape) == 2 else 0.1)
@@ -166,7 +180,7 @@ def _q4_k_llama(path: Path) -> Path:
 
     q4k, q6k, q8 = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K,
                     GGMLQuantizationType.Q8_0)
-    add("token_embd.weight", (49152, hidden), q8)
+    add("token_embd.weight", (len(tokens), hidden), q8)
     add("output_norm.weight", (hidden,), None)
     for i in range(2):
         for name, shape, kind in (

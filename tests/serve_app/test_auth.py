@@ -12,7 +12,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from tests.conftest import SMALL_MODEL, running_app
+from tests.conftest import SMALL_MODEL, shared_app
 
 MODEL = "shardserve/tiny-llama"
 KEY = "sk-test-0123456789"
@@ -20,14 +20,15 @@ FILE_KEY = "sk-from-a-file"
 MESSAGES = [{"role": "user", "content": "Hi"}]
 CHAT_BODY = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
 
+pytestmark = pytest.mark.shared_app("auth")
+
 
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
     key_file.write_text(f"# one key a line\n{FILE_KEY}\n\n")
-    with running_app({"models": [SMALL_MODEL], "api_keys": [KEY],
-                      "api_key_file": str(key_file), "max_requests_per_key": 2}) as url:
-        yield url
+    return shared_app({"models": [SMALL_MODEL], "api_keys": [KEY],
+                       "api_key_file": str(key_file), "max_requests_per_key": 2})
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,11 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import SMALL_MODEL, running_app
+from tests.conftest import SMALL_MODEL, shared_app
 
 DEPLOYMENT = "LLMReplica-shardserve_tiny-llama"
+
+pytestmark = pytest.mark.shared_app("autoscaling")
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +23,7 @@ def base_url() -> str:
                                     "target_ongoing_requests": 2, "upscale_delay_s": 0.5,
                                     "downscale_delay_s": 2, "metrics_interval_s": 0.5,
                                     "look_back_period_s": 1}}
-    with running_app({"models": [model]}) as url:
-        yield url
+    return shared_app({"models": [model]})
 
 
 def running_replicas() -> int:

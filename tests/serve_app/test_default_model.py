@@ -14,10 +14,12 @@ from openai import OpenAI
 
 from replicas.embedded import DEFAULT_MODEL_ID
 from replicas.kernels import isa
-from tests.conftest import running_app
+from tests.conftest import shared_app
 
-pytestmark = pytest.mark.skipif(__import__("torch").cuda.is_available(),
-                                reason="the CPU build's quantized kernels are under test")
+pytestmark = [pytest.mark.shared_app("default-model"),
+              pytest.mark.skipif(__import__("torch").cuda.is_available(),
+                                 reason="the CPU build's quantized kernels are under test")]
+
 CONFIG = {"models": [{"model": DEFAULT_MODEL_ID, "max_model_len": 2048, "kv_cache_gib": 0.1,
                       "max_num_seqs": 8, "num_threads": 2, "replica_num_cpus": 1.0}]}
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -29,8 +31,8 @@ WEATHER = {"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def client() -> OpenAI:
-    with running_app(CONFIG) as url:
-        yield OpenAI(base_url=url, api_key="x", max_retries=0, timeout=120)
+    url = shared_app(CONFIG)
+    return OpenAI(base_url=url, api_key="x", max_retries=0, timeout=120)
 
 
 def test_version_names_the_weight_formats(client: OpenAI) -> None:

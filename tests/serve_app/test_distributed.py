@@ -10,9 +10,11 @@ import openai
 import pytest
 from openai import OpenAI
 
-from tests.conftest import SMALL_MODEL, running_app
+from tests.conftest import SMALL_MODEL, shared_app
 
 TP1, TP2 = "tiny", "tiny-tp2"
+
+pytestmark = pytest.mark.shared_app("distributed")
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +23,7 @@ def base_url() -> str:
               {**SMALL_MODEL, "served_model_name": TP2, "tensor_parallel_size": 2,
                "health_check_period_s": 2,
                "num_threads": 1, "replica_num_cpus": 0.5, "shard_num_cpus": 0.5}]
-    with running_app({"models": models}) as url:
-        yield url
+    return shared_app({"models": models})
 
 
 def test_models_lists_both(base_url: str) -> None:

@@ -25,7 +25,7 @@ from PIL import Image
 
 from replicas.embedded import (TINY_LLAVA_MODEL_ID, TINY_QWEN2_5_VL_MODEL_ID,
                                TINY_QWEN2_AUDIO_MODEL_ID)
-from tests.conftest import running_app
+from tests.conftest import shared_app
 
 MODEL, AUDIO_MODEL, VL_MODEL = (TINY_LLAVA_MODEL_ID, TINY_QWEN2_AUDIO_MODEL_ID,
                                 TINY_QWEN2_5_VL_MODEL_ID)
@@ -35,6 +35,8 @@ CONFIG = {"models": [{"model": MODEL, **SMALL}, {"model": AUDIO_MODEL, **SMALL},
                      {"model": VL_MODEL, **SMALL}],
           "allow_private_media_urls": True, "limit_mm_per_prompt": {"image": 2, "audio": 2},
           "enable_mm_embeds": True}
+
+pytestmark = pytest.mark.shared_app("multimodal")
 
 
 def png(colour: tuple[int, int, int], size: tuple[int, int] = (64, 48)) -> bytes:
@@ -114,9 +116,8 @@ def images_url() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def base_url() -> Iterator[str]:
-    with running_app(CONFIG) as url:
-        yield url
+def base_url() -> str:
+    return shared_app(CONFIG)
 
 
 @pytest.fixture(scope="module")

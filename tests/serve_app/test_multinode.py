@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from openai import OpenAI
 
-from tests.conftest import SMALL_MODEL, free_port
+from tests.conftest import SMALL_MODEL, free_port, stop_shared_app
 
 
 @pytest.fixture(scope="module")
@@ -19,6 +19,7 @@ def cluster():
     from serve_app.app import deploy
     from serve_app.config import AppConfig
 
+    stop_shared_app()  # one Ray instance at a time in this process
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     gpu_node = c.add_node(num_cpus=2, resources={"fake_gpu": 2})
     ray.init(address=c.address, log_to_driver=False)

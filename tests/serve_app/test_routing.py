@@ -12,15 +12,17 @@ from openai import OpenAI
 from replicas.channel import ChannelOpen
 from serve_app.app import replica_deployment_name
 from serve_app.config import ModelConfig
-from tests.conftest import SMALL_MODEL, running_app
+from tests.conftest import SMALL_MODEL, shared_app
 
 MODEL = {**SMALL_MODEL, "num_replicas": 2, "num_threads": 1, "replica_num_cpus": 0.5}
+
+pytestmark = pytest.mark.shared_app("routing")
 
 
 @pytest.fixture(scope="module")
 def client() -> OpenAI:
-    with running_app({"models": [MODEL]}) as url:
-        yield OpenAI(base_url=url, api_key="x", max_retries=0, timeout=60)
+    url = shared_app({"models": [MODEL]})
+    return OpenAI(base_url=url, api_key="x", max_retries=0, timeout=60)
 
 
 def test_shared_prefixes_stick_to_their_replica(client: OpenAI) -> None:
