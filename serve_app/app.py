@@ -6,6 +6,7 @@ health application too); the CLI (`shardserve serve`) and the tests deploy with 
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from typing import Any
@@ -76,6 +77,19 @@ def build_app(config: AppConfig) -> Application:
         # against a flood of connections
         max_ongoing_requests=INGRESS_MAX_ONGOING, **grace,
         ray_actor_options={"num_cpus": config.ingress_num_cpus}).bind(config, handles)
+
+
+# Serve's controller reconciles every 0.1 s by default: 3.6% of a core on an idle 2-core VM,
+# taken from the engine's threads; 1.6% at 0.5 s. Autoscaling decides over windows of seconds,
+# so nothing waits on the faster loop
+SERVE_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
+
+
+def set_serve_env() -> None:
+    """Sets this process's environment for the Serve controller of a Ray it starts next (Ray's
+    processes inherit it; the environment's own values win)."""
+    for name, value in SERVE_ENV.items():
+        os.environ.setdefault(name, value)
 
 
 def deploy(config: AppConfig, app_name: str = "shardserve") -> None:

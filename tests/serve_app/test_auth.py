@@ -124,8 +124,9 @@ def test_a_key_over_its_concurrency_limit_gets_429(base_url: str) -> None:
     """max_requests_per_key=2: of 6 requests sent at once with one key, those beyond the 2 in
     flight are 429s with Retry-After (the openai SDK retries them); another key is not
     affected; the key's places come back when its requests end."""
-    # 16 x 600 tokens: the first two are still generating when the last ones arrive
-    body = {**CHAT_BODY, "max_tokens": 600, "ignore_eos": True, "n": 16}
+    # 4 x 400 tokens (~1-2 s): the first two are still generating when the last ones arrive,
+    # milliseconds after them
+    body = {**CHAT_BODY, "max_tokens": 400, "ignore_eos": True, "n": 4}
 
     async def burst() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=120) as client:
