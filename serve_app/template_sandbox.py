@@ -79,6 +79,23 @@ class TemplateSandbox:
             while len(self._idle) < self.processes and not self._closed:
                 self._idle.append(self._spawn())
 
+    def wait_started(self, timeout_s: float) -> bool:
+        """Whether every idle worker (a replacement included) has started within `timeout_s`:
+        a render may find a replacement still starting, and that wait counts against its limit."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            for worker in self._idle:
+                if worker.ready:
+                    continue
+                try:
+                    if not worker.outbox.poll(max(0.0, deadline - time.monotonic())):
+                        return False
+                    worker.outbox.recv()
+                except (EOFError, OSError):
+                    return False
+                worker.ready = True
+        return True
+
     async def render(self, messages: list[dict[str, Any]], *, chat_template: str,
                      tools: list[dict] | None = None, documents: list[dict] | None = None,
                      add_generation_prompt: bool = True, continue_final_message: bool = False,

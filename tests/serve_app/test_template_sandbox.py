@@ -47,11 +47,12 @@ async def render(sandbox: TemplateSandbox, template: str, **kwargs) -> str:
 
 
 async def warm(sandbox: TemplateSandbox) -> None:
-    """Until both workers answer: the replacements of those a test before killed are started."""
+    """Until both workers have started (the replacements of those a test before killed too; on a
+    busy box a start can take longer than the 1 s limit) and answer."""
     for _ in range(30):
         results = await asyncio.gather(render(sandbox, "warm"), render(sandbox, "warm"),
                                        return_exceptions=True)
-        if results == ["warm", "warm"]:
+        if results == ["warm", "warm"] and sandbox.wait_started(30.0):
             return
     raise AssertionError(results)
 
