@@ -48,6 +48,36 @@ def free_port() -> int:
             return port
 
 
+def left_behind(session: int, port: int) -> list[str]:
+    """What a stopped `shardserve serve` started with `start_new_session` (its pid is `session`)
+    left: a listener on `port`, a live process of its session (Ray's processes and HAProxy
+    inherit it) or Ray's reaper (in a session of its own)."""
+    import os
+
+    import psutil
+
+    left = [f"port {port} listening" for c in psutil.net_connections("tcp")
+            if c.laddr.port == port and c.status == psutil.CONN_LISTEN]
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        try:
+            if p.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            cmd = " ".join(p.info["cmdline"] or [])
+            if os.getsid(p.pid) == session or "reaper_main" in cmd:
+                left.append(f"{p.pid} {cmd[:80]}")
+        except (psutil.Error, ProcessLookupError):
+            pass
+    return left
+
+
+def wait_nothing_left(session: int, port: int, within_s: float = 15.0) -> list[str]:
+    """`left_behind` once it is empty, or as it stands after `within_s`."""
+    deadline = time.monotonic() + within_s
+    while (left := left_behind(session, port)) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    return left
+
+
 _cluster: dict[str, Any] = {}  # the live Ray instance with Serve: its key, port, saved env
 _shared: dict[str, Any] = {}  # the app deployed on it: its key and URL
 

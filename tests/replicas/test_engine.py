@@ -1,6 +1,8 @@
 """The engine (no Ray), its core in a process of its own as in a replica: continuous batching
 gives each request exactly what it gets alone, blocks come back after finishing and after aborts,
-stop rules and seeds hold, and one row's failure fails only its request."""
+stop rules and seeds hold, and one row's failure fails only its request. The tests of scheduling
+alone (preemption, held arrivals, async scheduling) run their cores in this process: the same
+engine, without the ~5 s of a core process's start each."""
 
 from __future__ import annotations
 
@@ -256,7 +258,7 @@ async def test_preemption_by_recompute_keeps_outputs_exact(async_scheduling: boo
     small = LLMServer(ReplicaConfig(model=EMBEDDED_MODEL_ID, max_model_len=128,
                                     kv_cache_gib=1e-9, max_num_seqs=8, block_size=16,
                                     enable_prefix_caching=False,
-                                    async_scheduling=async_scheduling))
+                                    async_scheduling=async_scheduling), in_process=True)
     try:
         assert (await small.fresh_stats())["num_blocks"] == 8
         # seeded sampling too: a sequence preempted while its step runs keeps that step's token
@@ -537,7 +539,8 @@ async def test_arrivals_held_for_decode_steps_get_exactly_their_tokens() -> None
     # max_waiting_steps (on by default only where decode steps are CUDA graphs): requests that
     # arrive beside decoding ones wait a few steps, then join, with the tokens they get alone
     held = LLMServer(ReplicaConfig(model=EMBEDDED_MODEL_ID, max_model_len=256,
-                                   kv_cache_gib=0.02, max_num_seqs=16, max_waiting_steps=3))
+                                   kv_cache_gib=0.02, max_num_seqs=16, max_waiting_steps=3),
+                     in_process=True)
     try:
         assert held.info()["max_waiting_steps"] == 3
         reqs = [GenerateRequest(f"hold{i}", p, SamplingParams(max_tokens=24, temperature=0.0,
@@ -568,7 +571,8 @@ async def test_prompt_logprobs_survive_preemption_and_are_computed_once_for_n() 
     mid-prefill and computed again; each prompt token still gets exactly one entry, equal to
     the entry computed without preemption. With n = 2 only choice 0 carries them."""
     tight = LLMServer(ReplicaConfig(model=EMBEDDED_MODEL_ID, max_model_len=256, kv_cache_gib=0.0,
-                                    max_num_seqs=8, max_num_batched_tokens=32, block_size=8))
+                                    max_num_seqs=8, max_num_batched_tokens=32, block_size=8),
+                      in_process=True)
     prompts = _prompts(6, seed=11)
     prompts = [p + p for p in prompts]  # long enough to need several prefill chunks
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
@@ -670,7 +674,7 @@ async def test_async_scheduling_gives_the_tokens_of_steps_scheduled_one_after_an
         core = LLMServer(ReplicaConfig(model=EMBEDDED_MODEL_ID, max_model_len=228,
                                        kv_cache_gib=0.02, max_num_seqs=16,
                                        max_num_batched_tokens=128, block_size=8,
-                                       async_scheduling=mode))
+                                       async_scheduling=mode), in_process=True)
         try:
             assert core.info()["async_scheduling"] is mode
             results = await asyncio.gather(*(_collect(core, r) for r in reqs))

@@ -1,9 +1,9 @@
 """`shardserve serve` as `make serve` runs it (the default model, SmolLM2-135M-Instruct's GGUF, and
 beside it the tiny LLaVA): its own Ray, HAProxy in front, ready when it says so, an image request
-answered,
-even where a dead cluster's address is left in /tmp/ray/ray_current_cluster (a killed `ray start`
-or test: `ray.init()` alone would try to join it), gone (HAProxy included) after SIGINT, even started as a shell starts a background job (SIGINT
-ignored); SIGTERM goes to the same handler."""
+answered, even where a dead cluster's address is left in /tmp/ray/ray_current_cluster (a killed
+`ray start` or test: `ray.init()` alone would try to join it); after SIGTERM to its process group
+it exits 0 and nothing of it is left (HAProxy, Ray's processes, the port). The other ways to
+stop it: tests/reliability/test_start_stop.py."""
 
 from __future__ import annotations
 
@@ -19,19 +19,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import psutil
 import pytest
 from openai import OpenAI
 from PIL import Image
 
 from replicas.embedded import DEFAULT_MODEL_ID, TINY_LLAVA_MODEL_ID
 from serve_app import http_front
-from tests.conftest import free_port
-
-
-def _haproxies() -> set[int]:
-    return {p.pid for p in psutil.process_iter(["name"])
-            if p.info["name"] == "haproxy" and p.status() != psutil.STATUS_ZOMBIE}
+from tests.conftest import free_port, left_behind, wait_nothing_left
 
 
 @contextmanager
@@ -57,14 +51,13 @@ def test_serve_behind_haproxy_answers_then_stops_cleanly() -> None:
 
 def _serve_answer_and_stop() -> None:
     port = free_port()
-    before = _haproxies()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "serve_app.cli", "serve", "--port", str(port), "--num-cpus", "4",
          "--kv-cache-gib", "0.05", "--max-model-len", "512", "--num-threads", "1",
          "--also-serve", TINY_LLAVA_MODEL_ID],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        start_new_session=True)
     try:
         deadline = time.monotonic() + 120
         lines = []
@@ -75,7 +68,7 @@ def _serve_answer_and_stop() -> None:
         assert lines and lines[-1].startswith("shardserve: serving"), "".join(lines[-20:])
         # keep reading its logs, or a full pipe would stall the server
         threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
-        front = _haproxies() - before
+        front = [line for line in left_behind(proc.pid, port) if "haproxy" in line]
         assert front, "no HAProxy process in front of the server"
         # "serving" means a request succeeds now, with no retry
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
@@ -92,14 +85,12 @@ def _serve_answer_and_stop() -> None:
                                          {"type": "text", "text": "What is this?"}]}])
         assert r.usage.prompt_tokens > 16 and r.usage.completion_tokens >= 1
     finally:
-        proc.send_signal(signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGTERM)
         try:
             rc = proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
             raise
     assert rc == 0
-    deadline = time.monotonic() + 10
-    while _haproxies() & front and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not _haproxies() & front, "HAProxy outlived the server"
+    left = wait_nothing_left(proc.pid, port)
+    assert not left, left
