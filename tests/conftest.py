@@ -166,7 +166,8 @@ def _shared_app_stops_last() -> Iterator[None]:
 
 SMALL_MODEL = {"model": "shardserve/tiny-llama", "max_model_len": 1024, "kv_cache_gib": 0.1,
                "max_num_seqs": 32, "num_threads": 2, "replica_num_cpus": 1.0}
-# the apps the `shared_app` modules share: the plain one, and one that trusts request templates
-PLAIN_APP = {"models": [{**SMALL_MODEL, "max_num_seqs": 48, "structured_timeout_s": 2.0}]}
-TRUSTED_APP = {"models": [SMALL_MODEL], "trust_request_chat_template": True,
-               "chat_template_timeout_s": 2.0}
+# the app most `shared_app` modules share; it trusts request templates too (one deploy fewer:
+# the refusal of a request's template by a server that does not is checked on the default
+# model's app, tests/serve_app/test_default_model.py)
+PLAIN_APP = {"models": [{**SMALL_MODEL, "max_num_seqs": 48, "structured_timeout_s": 2.0}],
+             "trust_request_chat_template": True, "chat_template_timeout_s": 2.0}

@@ -11,12 +11,12 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import TRUSTED_APP, shared_app
+from tests.conftest import PLAIN_APP, shared_app
 
-pytestmark = [pytest.mark.slow, pytest.mark.shared_app("trusted")]
+pytestmark = [pytest.mark.slow, pytest.mark.shared_app("plain")]
 
 MODEL = "shardserve/tiny-llama"
-LIMIT_S = TRUSTED_APP["chat_template_timeout_s"]
+LIMIT_S = PLAIN_APP["chat_template_timeout_s"]
 LOOP_1E10 = ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
              "never")
 MESSAGES = [{"role": "user", "content": "Hi"}]
@@ -25,7 +25,7 @@ STREAMS = 8
 
 @pytest.fixture(scope="module")
 def base_url() -> str:
-    return shared_app(TRUSTED_APP)
+    return shared_app(PLAIN_APP)
 
 
 def chat(base_url: str, template: str) -> httpx.Response:

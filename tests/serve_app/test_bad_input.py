@@ -175,7 +175,6 @@ CASES = [
     chat_case("continue_final_message-after-user", {"add_generation_prompt": False,
                                                     "continue_final_message": True},
               "continue_final_message"),
-    chat_case("chat_template-untrusted", {"chat_template": "{{ messages }}"}, "chat_template"),
     chat_case("chat_template-syntax-error", {"chat_template": "{% for m in messages %}"},
               "chat_template"),
     chat_case("chat_template-sandbox", {"chat_template": "{{ cycler.__init__.__globals__ }}"},
@@ -254,9 +253,6 @@ CASES = [
     raw_case("completions-lone-surrogate", json.dumps({"model": MODEL, "prompt": "x\udc00"})
              .encode(), "prompt", path=CMPL),
     case("tokenize-neither-prompt-nor-messages", "/tokenize", {"model": MODEL}, "prompt"),
-    case("tokenize-chat_template-untrusted", "/tokenize",
-         {"model": MODEL, "messages": MESSAGES, "chat_template": "{{ messages }}"},
-         "chat_template"),
     case("detokenize-id-out-of-vocab", "/detokenize", {"model": MODEL, "tokens": [4000]},
          "tokens"),
     case("detokenize-id-negative", "/detokenize", {"model": MODEL, "tokens": [-1]},

@@ -1,6 +1,7 @@
 """The default model a user meets (`make serve`): SmolLM2-135M-Instruct from its Q4_1 GGUF, served
 with its weights quantized, answers sensibly through the openai SDK: a fact, JSON that validates,
-a stream, tool calls; a request without sampling fields samples with the model's defaults."""
+a stream, tool calls; a request without sampling fields samples with the model's defaults; a
+request's own chat template is refused, as by any server that does not trust them."""
 
 from __future__ import annotations
 
@@ -98,3 +99,16 @@ def test_tool_calls(client: OpenAI, tool_choice) -> None:
     assert calls and calls[0].function.name == "get_weather"
     assert isinstance(json.loads(calls[0].function.arguments)["city"], str)
     assert r.choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+def test_a_request_template_is_refused_by_a_server_that_does_not_trust_them(
+        client: OpenAI, path: str) -> None:
+    """`make serve` does not trust request templates (--trust-request-chat-template, as vLLM):
+    a request's own `chat_template` is a 400 naming it, before any rendering."""
+    root = str(client.base_url).rstrip("/").removesuffix("/v1")
+    r = httpx.post(f"{root}{path}", timeout=60, json={
+        "model": DEFAULT_MODEL_ID, "messages": FRANCE, "chat_template": "{{ messages }}"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "chat_template" and "trust" in error["message"], error

@@ -19,7 +19,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from tests.conftest import TRUSTED_APP, shared_app
+from tests.conftest import PLAIN_APP, shared_app
 
 MODEL = "shardserve/tiny-llama"
 MESSAGES = [{"role": "system", "content": "You are terse."},
@@ -35,13 +35,13 @@ BARE_TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}"
 BARE_MESSAGES = [{"role": "user", "content": "Q?"}]
 
 
-pytestmark = pytest.mark.shared_app("trusted")
+pytestmark = pytest.mark.shared_app("plain")
 
 
 @pytest.fixture(scope="module")
 def base_url() -> str:
     # the tests render bare prompts through per-request templates
-    return shared_app(TRUSTED_APP)
+    return shared_app(PLAIN_APP)
 
 
 @pytest.fixture(scope="module")
