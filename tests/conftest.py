@@ -171,3 +171,13 @@ SMALL_MODEL = {"model": "shardserve/tiny-llama", "max_model_len": 1024, "kv_cach
 # model's app, tests/serve_app/test_default_model.py)
 PLAIN_APP = {"models": [{**SMALL_MODEL, "max_num_seqs": 48, "structured_timeout_s": 2.0}],
              "trust_request_chat_template": True, "chat_template_timeout_s": 2.0}
+# the app of the replica-count modules: one model that autoscales (1-2 replicas) and one of two
+# replicas routed by prefix (tests/serve_app/test_autoscaling.py, test_routing.py)
+AUTOSCALED_MODEL = {**SMALL_MODEL, "num_threads": 1, "replica_num_cpus": 0.5,
+                    "autoscaling_config": {"min_replicas": 1, "max_replicas": 2,
+                                           "target_ongoing_requests": 2, "upscale_delay_s": 0.5,
+                                           "downscale_delay_s": 2, "metrics_interval_s": 0.5,
+                                           "look_back_period_s": 1}}
+ROUTED_MODEL = {**SMALL_MODEL, "served_model_name": "routed-tiny-llama", "num_replicas": 2,
+                "num_threads": 1, "replica_num_cpus": 0.5}
+REPLICAS_APP = {"models": [AUTOSCALED_MODEL, ROUTED_MODEL]}

@@ -9,21 +9,16 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import SMALL_MODEL, shared_app
+from tests.conftest import REPLICAS_APP, shared_app
 
 DEPLOYMENT = "LLMReplica-shardserve_tiny-llama"
 
-pytestmark = pytest.mark.shared_app("autoscaling")
+pytestmark = pytest.mark.shared_app("replicas")
 
 
 @pytest.fixture(scope="module")
 def base_url() -> str:
-    model = {**SMALL_MODEL, "num_threads": 1, "replica_num_cpus": 0.5,
-             "autoscaling_config": {"min_replicas": 1, "max_replicas": 2,
-                                    "target_ongoing_requests": 2, "upscale_delay_s": 0.5,
-                                    "downscale_delay_s": 2, "metrics_interval_s": 0.5,
-                                    "look_back_period_s": 1}}
-    return shared_app({"models": [model]})
+    return shared_app(REPLICAS_APP)
 
 
 def running_replicas() -> int:

@@ -12,16 +12,17 @@ from openai import OpenAI
 from replicas.channel import ChannelOpen
 from serve_app.app import replica_deployment_name
 from serve_app.config import ModelConfig
-from tests.conftest import SMALL_MODEL, shared_app
+from tests.conftest import REPLICAS_APP, ROUTED_MODEL, shared_app
 
-MODEL = {**SMALL_MODEL, "num_replicas": 2, "num_threads": 1, "replica_num_cpus": 0.5}
+MODEL = ROUTED_MODEL
+NAME = MODEL["served_model_name"]
 
-pytestmark = pytest.mark.shared_app("routing")
+pytestmark = pytest.mark.shared_app("replicas")
 
 
 @pytest.fixture(scope="module")
 def client() -> OpenAI:
-    url = shared_app({"models": [MODEL]})
+    url = shared_app(REPLICAS_APP)
     return OpenAI(base_url=url, api_key="x", max_retries=0, timeout=60)
 
 
@@ -31,7 +32,7 @@ def test_shared_prefixes_stick_to_their_replica(client: OpenAI) -> None:
         system = f"Conversation {k}. " + " ".join(f"fact-{k}-{i}" for i in range(60))
         for question in ("first question", "second question"):
             r = client.chat.completions.create(
-                model="shardserve/tiny-llama", max_tokens=2,
+                model=NAME, max_tokens=2,
                 messages=[{"role": "system", "content": system},
                           {"role": "user", "content": question}])
             if question == "second question":
@@ -64,6 +65,6 @@ def test_a_channel_to_a_replica_that_is_gone_ends_and_frees_the_router(client: O
     opened, stats = asyncio.run(run())
     assert opened == [None] * 8
     assert "num_running" in stats
-    r = client.chat.completions.create(model="shardserve/tiny-llama", max_tokens=2,
+    r = client.chat.completions.create(model=NAME, max_tokens=2,
                                        messages=[{"role": "user", "content": "still served?"}])
     assert r.choices[0].finish_reason == "length"
