@@ -81,7 +81,8 @@ class TemplateSandbox:
 
     def wait_started(self, timeout_s: float) -> bool:
         """Whether every idle worker (a replacement included) has started within `timeout_s`:
-        a render may find a replacement still starting, and that wait counts against its limit."""
+        a render may find a replacement still starting, and that wait counts against its limit.
+        For start-up and tests: renders cannot take a worker while it waits."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
             for worker in self._idle:

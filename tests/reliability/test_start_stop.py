@@ -1,10 +1,10 @@
 """Stopping `shardserve serve` (the real command) leaves nothing: over repeated start/stop cycles,
 by Ctrl-C (SIGINT to the process group, even started with SIGINT ignored as a shell's background
-job), SIGTERM to the process (what systemd, docker and Kubernetes send) and SIGTERM to the whole
-group (the suite's run of `make serve`'s command in tests/serve_app/test_cli.py), nothing
-listens on the port afterwards and no process of the run is left (no haproxy, Ray or replica
-process), so the next start on the same port works. (The suite runs the cycles only when asked:
-see CYCLES.)
+job), SIGTERM to the whole group and SIGTERM to the process (what systemd, docker and Kubernetes
+send), nothing listens on the port afterwards and no process of the run is left (no haproxy, Ray
+or replica process), so the next start on the same port works. (The suite runs the cycles only
+when asked, see CYCLES; its own stops: SIGTERM to the process below, Ctrl-C to the group in
+tests/serve_app/test_cli.py.)
 And a stop drains: a request in flight finishes, a new one is refused with 503."""
 
 from __future__ import annotations
