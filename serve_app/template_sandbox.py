@@ -86,15 +86,11 @@ class TemplateSandbox:
         deadline = time.monotonic() + timeout_s
         with self._lock:
             for worker in self._idle:
-                if worker.ready:
-                    continue
                 try:
-                    if not worker.outbox.poll(max(0.0, deadline - time.monotonic())):
+                    if not worker.started(max(0.0, deadline - time.monotonic())):
                         return False
-                    worker.outbox.recv()
                 except (EOFError, OSError):
                     return False
-                worker.ready = True
         return True
 
     async def render(self, messages: list[dict[str, Any]], *, chat_template: str,
@@ -203,17 +199,16 @@ class TemplateSandbox:
     def _run(self, job: dict[str, Any], deadline: float) -> tuple[str, Any]:
         """On a pool thread, holding a slot: one job on one worker."""
         worker = self._take()
-        if not worker.ready:  # a replacement still starting: that wait is inside the limit too
-            try:
-                if not worker.outbox.poll(max(0.0, deadline - time.monotonic())):
-                    stuck = time.monotonic() - worker.spawned > START_TIMEOUT_S
-                    self._retire(worker, healthy=not stuck)
-                    raise _NoWorker()
-                worker.outbox.recv()
-            except (EOFError, OSError):
-                self._retire(worker, healthy=False)
-                raise _NoWorker() from None
-            worker.ready = True
+        # a replacement still starting: that wait is inside the limit too
+        try:
+            started = worker.started(max(0.0, deadline - time.monotonic()))
+        except (EOFError, OSError):
+            self._retire(worker, healthy=False)
+            raise _NoWorker() from None
+        if not started:
+            stuck = time.monotonic() - worker.spawned > START_TIMEOUT_S
+            self._retire(worker, healthy=not stuck)
+            raise _NoWorker()
         try:
             worker.inbox.send(job)
             if not worker.outbox.poll(max(0.0, deadline - time.monotonic())):

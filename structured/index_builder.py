@@ -112,10 +112,8 @@ class IndexBuilder:
             if not worker.ready:  # a fresh process: its start is not counted in the time limit
                 starting = time.monotonic()
                 worker.inbox.send((self._vocabulary, self._max_memory))
-                if not worker.outbox.poll(60.0):
+                if not worker.started(60.0):
                     raise BuildFailed("the compile worker did not start")
-                worker.outbox.recv()
-                worker.ready = True
                 deadline += time.monotonic() - starting
             worker.inbox.send(regex)
             if not worker.outbox.poll(max(0.0, deadline - time.monotonic())):

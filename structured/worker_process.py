@@ -31,6 +31,14 @@ class Worker:
     spawned: float = field(default_factory=time.monotonic)
     ready: bool = False  # the worker said it has started
 
+    def started(self, timeout_s: float) -> bool:
+        """Whether the worker has said it started, waiting up to `timeout_s` for that message
+        (read once). Raises EOFError or OSError where it died first."""
+        if not self.ready and self.outbox.poll(timeout_s):
+            self.outbox.recv()
+            self.ready = True
+        return self.ready
+
     def kill(self) -> None:
         self.process.kill()
         self.process.wait(timeout=5)
