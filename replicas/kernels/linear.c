@@ -44,12 +44,12 @@ int linear_bf16_fast(void) { return HAVE_DPBF16; }
 
 /* Pairs p0 .. p1 of the panel against rows m0 .. m0+MT of x, going on from the float32 partial
    sums in sums (the tile's MT rows of PANEL; zero where p0 is 0) and leaving them there; MT is
-   a constant at each call site so the accumulators live in registers. Unless `ahead` is NULL,
-   as many pairs from there (the next chunk, or the next panel's first) are asked of memory
-   meanwhile. */
+   a constant at each call site so the accumulators live in registers. Meanwhile `ahead_lines`
+   cache lines from `ahead` (this tile's share of the next chunk, or of the next panel's first)
+   are asked of memory, spread evenly over the pairs. */
 KERNEL_INLINE void chunk_tile(const uint16_t *x, const uint16_t *panel, float *sums, int64_t K,
                               int64_t m0, int64_t p0, int64_t p1, const uint16_t *ahead,
-                              int MT) {
+                              int64_t ahead_lines, int MT) {
     __m512 acc[ROWS][2];
     for (int i = 0; i < MT; i++) {
         acc[i][0] = p0 ? _mm512_loadu_ps(sums + i * PANEL) : _mm512_setzero_ps();
@@ -57,11 +57,10 @@ KERNEL_INLINE void chunk_tile(const uint16_t *x, const uint16_t *panel, float *s
     }
     const uint16_t *xr[ROWS];
     for (int i = 0; i < MT; i++) xr[i] = x + (m0 + i) * K;
+    int64_t due = 0;
     for (int64_t p = p0; p < p1; p++) {
-        if (ahead) {
-            _mm_prefetch((const char *)(ahead + (p - p0) * 2 * PANEL), _MM_HINT_T0);
-            _mm_prefetch((const char *)(ahead + (p - p0) * 2 * PANEL + PANEL), _MM_HINT_T0);
-        }
+        for (due += ahead_lines; due >= p1 - p0; due -= p1 - p0, ahead += PANEL)
+            _mm_prefetch((const char *)ahead, _MM_HINT_T0);
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + p * 2 * PANEL);
         const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + p * 2 * PANEL + PANEL);
         for (int i = 0; i < MT; i++) {
@@ -107,20 +106,22 @@ KERNEL_INLINE void store_tile(const uint16_t *x, const uint16_t *panel, const fl
 KERNEL_INLINE void whole_tile(const uint16_t *x, const uint16_t *panel, float *sums,
                               const uint16_t *bias, uint16_t *y, int64_t N, int64_t K,
                               int64_t m0, int64_t n0, int MT) {
-    chunk_tile(x, panel, sums, K, m0, 0, K / 2, NULL, MT);
+    chunk_tile(x, panel, sums, K, m0, 0, K / 2, NULL, 0, MT);
     store_tile(x, panel, sums, bias, y, N, K, m0, n0, MT);
 }
 
 /* One panel against every row of x. Beyond one tile and up to CHUNKED_ROWS rows (decode
-   batches) the tiles go over the panel together, a chunk at a time: the first tile reads each
-   chunk from memory (asking for the next one as it goes), the others from L1, so the panel's
-   memory traffic is spread over all of its compute. Tile by tile, the first tile's whole pass
-   waited on memory and the others' on nothing. On Zen 5 (compute twice Zen 4's, against the
-   same memory), bench-135m's projections, `bench linear`: 32 rows 533 -> 613-665 GFLOP/s
-   (55% -> 65-68% of the vdpbf16ps peak), 16 rows 338 -> 419-462; chunks of 16 or 64 pairs were
-   slower than 32, 128 no better than none. The last chunk asks for the next panel's first (the
-   thread's next panel, dealt ahead: deal.h): 32 rows 613 -> 688-695 GFLOP/s (70-71%),
-   16 rows 419-443 -> 446-473, 64 rows 712-766 -> 790-798. */
+   batches) the tiles go over the panel together, a chunk at a time: every tile but the first
+   reads the chunk from L1, so the panel's memory traffic is spread over all of its compute.
+   Tile by tile, the first tile's whole pass waited on memory and the others' on nothing. On Zen
+   5 (compute twice Zen 4's, against the same memory), bench-135m's projections, `bench linear`:
+   32 rows 533 -> 613-665 GFLOP/s (55% -> 65-68% of the vdpbf16ps peak), 16 rows 338 ->
+   419-462; chunks of 16 or 64 pairs were slower than 32, 128 no better than none. The next
+   chunk (after the last, the thread's next panel's first, dealt ahead: deal.h) is prefetched
+   meanwhile, each tile asking for its rows' share of its lines, one line every few pairs: when
+   the first tile asked for all 64 lines within its own pass (a quarter of the chunk's compute
+   at 32 rows) the misses queued behind each other and it stalled. Zen 4, the same bench: 32 rows
+   62-64% -> 74-80% of the peak, 16 rows 46-49% -> 58-65%, 64 rows 72% -> 79-86%. */
 static void panel_rows(const uint16_t *x, const uint16_t *panel, const uint16_t *bias,
                        uint16_t *y, int64_t M, int64_t N, int64_t K, int64_t n0,
                        const uint16_t *next_panel) {
@@ -128,14 +129,18 @@ static void panel_rows(const uint16_t *x, const uint16_t *panel, const uint16_t 
     const int64_t pairs = K / 2, whole = M / ROWS * ROWS;
     int64_t m = 0;
     if (CHUNKED(M, K)) {
+        const int64_t lines = 2 * CHUNK_PAIRS; /* of a chunk: a pair is 2 cache lines */
         for (int64_t p0 = 0; p0 < pairs; p0 += CHUNK_PAIRS) {
             const int64_t p1 = p0 + CHUNK_PAIRS < pairs ? p0 + CHUNK_PAIRS : pairs;
-            chunk_tile(x, panel, sums, K, 0, p0, p1,
-                       p1 < pairs ? panel + p1 * 2 * PANEL : next_panel, ROWS);
-            for (m = ROWS; m < whole; m += ROWS)
-                chunk_tile(x, panel, sums + m * PANEL, K, m, p0, p1, NULL, ROWS);
+            const uint16_t *next = p1 < pairs ? panel + p1 * 2 * PANEL : next_panel;
+/* rows m .. m+MT's share of the next chunk's lines: where it starts, how many */
+#define SHARE(m, MT) next ? next + (m) * lines / M * PANEL : NULL, \
+                     next ? ((m) + (MT)) * lines / M - (m) * lines / M : 0
+            for (m = 0; m < whole; m += ROWS)
+                chunk_tile(x, panel, sums + m * PANEL, K, m, p0, p1, SHARE(m, ROWS), ROWS);
             TAIL_TILES(chunk_tile, M - whole, x, panel, sums + whole * PANEL, K, whole, p0, p1,
-                       NULL)
+                       SHARE(whole, M - whole))
+#undef SHARE
         }
         for (m = 0; m < whole; m += ROWS)
             store_tile(x, panel, sums + m * PANEL, bias, y, N, K, m, n0, ROWS);
