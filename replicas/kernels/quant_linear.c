@@ -251,13 +251,15 @@ KERNEL_INLINE void q6_rows(vf acc[8][2], const float *const xr[8], const uint8_t
 /* Rows m0 .. m0+MT of x times one panel of QTYPE, unpacked in registers (QTYPE and MT constants
    at each call: one specialised loop each, the accumulators in registers). */
 KERNEL_INLINE void quant_tile(int qtype, const float *x, const uint8_t *panel, const float *bias,
-                              float *y, int64_t N, int64_t K, int64_t m0, int64_t n0, int MT) {
+                              float *y, int64_t N, int64_t K, int64_t m0, int64_t n0, Ahead ahead,
+                              int MT) {
     vf acc[8][2];
     for (int i = 0; i < MT; i++) acc[i][0] = acc[i][1] = (vf){0};
     const float *xr[8];
     for (int i = 0; i < MT; i++) xr[i] = x + (m0 + i) * K;
     const int64_t rec = record_bytes(qtype);
     for (int64_t b = 0; b < K / QK; b++) {
+        ahead_step(&ahead, K / QK);
         if (qtype == Q4) q4_rows(acc, xr, panel + b * rec, b * QK, MT);
         else if (qtype == Q6) q6_rows(acc, xr, panel + b * rec, b * QK, MT);
         else q8_rows(acc, xr, panel + b * rec, b * QK, MT);
@@ -267,8 +269,9 @@ KERNEL_INLINE void quant_tile(int qtype, const float *x, const uint8_t *panel, c
 
 #define QUANT_TILE(NAME, QTYPE)                                                              \
     KERNEL_INLINE void NAME(const float *x, const uint8_t *panel, const float *bias, float *y, \
-                            int64_t N, int64_t K, int64_t m0, int64_t n0, int MT) {           \
-        quant_tile(QTYPE, x, panel, bias, y, N, K, m0, n0, MT);                               \
+                            int64_t N, int64_t K, int64_t m0, int64_t n0, Ahead ahead,       \
+                            int MT) {                                                         \
+        quant_tile(QTYPE, x, panel, bias, y, N, K, m0, n0, ahead, MT);                        \
     }
 QUANT_TILE(q4_tile, Q4)
 QUANT_TILE(q8_tile, Q8)
@@ -641,15 +644,15 @@ static void q_panel(int qtype, const float *x, const uint8_t *panel, float *unpa
         hoisted_rows(Q4, x, xsum, panel, bias, y, 0, m1, N, K, n0);
     } else if (unpacked != NULL && m1 - m0 > MIXED_ROWS) {
         unpack(qtype, panel, unpacked, K);
-        f32_panel_rows(x, unpacked, bias, y, m0, m1, N, K, n0);
+        f32_panel_rows(x, unpacked, bias, y, m0, m1, N, K, n0, NULL, 0);
     } else if (qtype == Q4) {
-        q4_panel_rows(x, panel, bias, y, m0, m1, N, K, n0);
+        q4_panel_rows(x, panel, bias, y, m0, m1, N, K, n0, NULL, 0);
     } else if (qtype == Q6) {
-        q6_panel_rows(x, panel, bias, y, m0, m1, N, K, n0);
+        q6_panel_rows(x, panel, bias, y, m0, m1, N, K, n0, NULL, 0);
     } else if (m1 - m0 <= HOIST_ROWS) {
         hoisted_rows(Q8, x, NULL, panel, bias, y, m0, m1, N, K, n0);
     } else {
-        q8_panel_rows(x, panel, bias, y, m0, m1, N, K, n0);
+        q8_panel_rows(x, panel, bias, y, m0, m1, N, K, n0, NULL, 0);
     }
 }
 

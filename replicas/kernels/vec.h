@@ -63,6 +63,29 @@ enum { DEAL_STOLEN, DEAL_ONE, DEAL_STATIC };
 #define FOR_WHOLE_PANELS(t, PANELS, M, STOLEN, BODY) \
     DEAL_PANELS(t, PANELS, (M) <= STREAM_ROWS ? DEAL_STOLEN : DEAL_ONE, STOLEN, BODY)
 
+/* A tile's share of the next panel's (or chunk's) cache lines, asked of memory a line every
+   few steps of its pass rather than all at once: misses asked for in a burst queue behind each
+   other and stall the core (linear.c's panel_rows). */
+typedef struct {
+    const char *at;
+    int64_t lines, due;
+} Ahead;
+
+/* rows r .. r+MT of a call's R rows: their share of `lines` lines from `next` (none if NULL) */
+KERNEL_INLINE Ahead ahead_share(const void *next, int64_t lines, int64_t r, int64_t MT,
+                                int64_t R) {
+    const int64_t first = r * lines / R;
+    const Ahead a = {next ? (const char *)next + first * 64 : NULL,
+                     next ? (r + MT) * lines / R - first : 0, 0};
+    return a;
+}
+
+/* one step of a pass of `steps`: the lines that fall due */
+KERNEL_INLINE void ahead_step(Ahead *a, int64_t steps) {
+    for (a->due += a->lines; a->due >= steps; a->due -= steps, a->at += 64)
+        __builtin_prefetch(a->at, 0, 3);
+}
+
 typedef float vf __attribute__((vector_size(VBYTES)));
 typedef uint32_t vu __attribute__((vector_size(VBYTES)));
 typedef int32_t vi __attribute__((vector_size(VBYTES)));
@@ -128,39 +151,47 @@ KERNEL_INLINE void add_rows(vf acc[8][2], const float *const xr[8], int64_t k, v
     }
 }
 
-/* NAME(x, panel, bias, y, m0, m1, N, K, n0): rows m0 .. m1 of x against one panel of W, in
-   tiles of MIXED_ROWS and a tail. A tail of 1-3 rows (2-6 accumulators) cannot cover the FMA's
-   latency (4 cycles, 2 a cycle: 8 chains), so beyond one tile it goes with the last whole tile
-   as two tiles of about half each: 32 rows on AVX2 are 6, 6, 6, 6, 4, 4 rather than 6 x 5 + 2. */
+/* NAME(x, panel, bias, y, m0, m1, N, K, n0, next, lines): rows m0 .. m1 of x against one panel
+   of W, in tiles of MIXED_ROWS and a tail, the tiles asking for `lines` cache lines from `next`
+   (the thread's next panel, or NULL) meanwhile, each its rows' share. A tail of 1-3 rows (2-6
+   accumulators) cannot cover the FMA's latency (4 cycles, 2 a cycle: 8 chains), so beyond one
+   tile it goes with the last whole tile as two tiles of about half each: 32 rows on AVX2 are 6,
+   6, 6, 6, 4, 4 rather than 6 x 5 + 2. */
 #define PANEL_ROWS(NAME, TILE, W)                                                        \
     static void NAME(const float *x, const W *panel, const float *bias, float *y,           \
-                     int64_t m0, int64_t m1, int64_t N, int64_t K, int64_t n0) {            \
+                     int64_t m0, int64_t m1, int64_t N, int64_t K, int64_t n0,              \
+                     const void *next, int64_t lines) {                                     \
         const int64_t left = (m1 - m0) % MIXED_ROWS;                                         \
         const int64_t split = left > 0 && left < 4 && m1 - m0 > MIXED_ROWS;                 \
         const int64_t whole_end = m1 - left - split * MIXED_ROWS;                            \
         int64_t m = m0;                                                                      \
         for (; m < whole_end; m += MIXED_ROWS)                                               \
-            TILE(x, panel, bias, y, N, K, m, n0, MIXED_ROWS);                                \
+            TILE(x, panel, bias, y, N, K, m, n0,                                             \
+                 ahead_share(next, lines, m - m0, MIXED_ROWS, m1 - m0), MIXED_ROWS);         \
         if (split) {                                                                         \
             const int64_t half = (m1 - m + 1) / 2;                                           \
-            TAIL_TILES(TILE, half, x, panel, bias, y, N, K, m, n0)                           \
+            TAIL_TILES(TILE, half, x, panel, bias, y, N, K, m, n0,                           \
+                       ahead_share(next, lines, m - m0, half, m1 - m0))                      \
             m += half;                                                                       \
         }                                                                                    \
-        TAIL_TILES(TILE, m1 - m, x, panel, bias, y, N, K, m, n0)                             \
+        TAIL_TILES(TILE, m1 - m, x, panel, bias, y, N, K, m, n0,                             \
+                   ahead_share(next, lines, m - m0, m1 - m, m1 - m0))                        \
     }
 
-/* NAME(x, panel, bias, y, N, K, m0, n0, MT): rows m0 .. m0+MT of x times one panel of W, whose
-   k-th run of PANEL_MIXED weights LOAD2 turns into float32 (LOAD2(p, &w0, &w1): columns 0 ..
-   LANES in w0, the rest in w1), into y. MT is a constant at each call (PANEL_ROWS), so the 2 MT
-   accumulators stay in registers. */
+/* NAME(x, panel, bias, y, N, K, m0, n0, ahead, MT): rows m0 .. m0+MT of x times one panel of W,
+   whose k-th run of PANEL_MIXED weights LOAD2 turns into float32 (LOAD2(p, &w0, &w1): columns 0
+   .. LANES in w0, the rest in w1), into y, asking for `ahead`'s lines over the pass. MT is a
+   constant at each call (PANEL_ROWS), so the 2 MT accumulators stay in registers. */
 #define FLOAT_TILE(NAME, W, LOAD2)                                                            \
     KERNEL_INLINE void NAME(const float *x, const W *panel, const float *bias, float *y,     \
-                            int64_t N, int64_t K, int64_t m0, int64_t n0, int MT) {          \
+                            int64_t N, int64_t K, int64_t m0, int64_t n0, Ahead ahead,       \
+                            int MT) {                                                         \
         vf acc[8][2]; /* room for any tail (TAIL_TILES); only MT of them are used */          \
         for (int i = 0; i < MT; i++) acc[i][0] = acc[i][1] = (vf){0};                        \
         const float *xr[8];                                                                   \
         for (int i = 0; i < MT; i++) xr[i] = x + (m0 + i) * K;                               \
         for (int64_t k = 0; k < K; k++) {                                                     \
+            ahead_step(&ahead, K);                                                            \
             vf w0, w1;                                                                        \
             LOAD2(panel + k * PANEL_MIXED, &w0, &w1);                                         \
             add_rows(acc, xr, k, w0, w1, MT);                                                 \
