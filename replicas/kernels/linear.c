@@ -101,8 +101,8 @@ KERNEL_INLINE void store_tile(const uint16_t *x, const uint16_t *panel, const fl
 /* chunk_tile over every pair, then store_tile (the tail tiles of panel_rows) */
 KERNEL_INLINE void whole_tile(const uint16_t *x, const uint16_t *panel, float *sums,
                               const uint16_t *bias, uint16_t *y, int64_t N, int64_t K,
-                              int64_t m0, int64_t n0, int MT) {
-    chunk_tile(x, panel, sums, K, m0, 0, K / 2, ahead_share(NULL, 0, 0, 0, 1), MT);
+                              int64_t m0, int64_t n0, Ahead ahead, int MT) {
+    chunk_tile(x, panel, sums, K, m0, 0, K / 2, ahead, MT);
     store_tile(x, panel, sums, bias, y, N, K, m0, n0, MT);
 }
 
@@ -141,9 +141,14 @@ static void panel_rows(const uint16_t *x, const uint16_t *panel, const uint16_t 
                    n0)
         return;
     }
-    /* one row, a few, or prefill's many: each tile over the whole panel in one pass */
-    for (; m < whole; m += ROWS) whole_tile(x, panel, sums, bias, y, N, K, m, n0, ROWS);
-    TAIL_TILES(whole_tile, M - whole, x, panel, sums, bias, y, N, K, whole, n0)
+    /* one row, a few, or prefill's many: each tile over the whole panel in one pass, the tiles
+       of many asking for the thread's next panel meanwhile */
+    const int64_t lines = next_panel ? ((K + 1) / 2 * 2 * PANEL * 2 + 63) / 64 : 0;
+    for (; m < whole; m += ROWS)
+        whole_tile(x, panel, sums, bias, y, N, K, m, n0, ahead_share(next_panel, lines, m, ROWS, M),
+                   ROWS);
+    TAIL_TILES(whole_tile, M - whole, x, panel, sums, bias, y, N, K, whole, n0,
+               ahead_share(next_panel, lines, whole, M - whole, M))
 }
 
 #endif
@@ -159,14 +164,19 @@ int linear_bf16(const void *x, const void *w, const void *bias, void *y, int64_t
     int64_t claimed = 0;
     Stolen stolen;
     stolen_init(&stolen, panels, num_threads);
+    /* Above STREAM_ROWS panels go one at a time, prefill included, so a thread preempted by the
+       serving processes holds up one panel rather than half the matrix (served prefill steps
+       ran 1.2-1.3x the engine alone's per prompt token on 2 cores, 1.16x after), each thread
+       claiming its next before it starts one, so that one's lines are asked for meanwhile. A
+       few rows stream their weights: a contiguous share each, with stealing (deal.h). */
 #pragma omp parallel num_threads(num_threads)
-    if (CHUNKED(M, K)) {
+    if (M > STREAM_ROWS) {
         FOR_DEALT_AHEAD(t, after, panels, claimed)
             panel_rows(xs, ws + t * panel_size, bs, ys, M, N, K, t * PANEL,
                        after < panels ? ws + after * panel_size : NULL);
     } else {
-        FOR_WHOLE_PANELS(t, panels, M, &stolen,
-                         panel_rows(xs, ws + t * panel_size, bs, ys, M, N, K, t * PANEL, NULL))
+        FOR_STOLEN(t, &stolen,
+                   panel_rows(xs, ws + t * panel_size, bs, ys, M, N, K, t * PANEL, NULL))
     }
     return 0;
 #else

@@ -55,14 +55,6 @@ enum { DEAL_STOLEN, DEAL_ONE, DEAL_STATIC };
     DEAL_PANELS(t, PANELS,                                                                      \
                 (M) <= STREAM_ROWS ? DEAL_STOLEN : (M) <= ROW_BLOCK ? DEAL_ONE : DEAL_STATIC,   \
                 STOLEN, BODY)
-/* The same for calls that take all of a panel's rows at once (no row blocks: nothing to keep in
-   L2 from one block to the next): above STREAM_ROWS panels always go one at a time, prefill
-   included, so a thread preempted by the serving processes holds up one panel rather than half
-   the matrix (served prefill steps ran 1.2-1.3x the engine alone's per prompt token on 2
-   cores, 1.16x after; alone it costs nothing: 971 GFLOP/s, 99% of vdpbf16ps, at 2048 rows). */
-#define FOR_WHOLE_PANELS(t, PANELS, M, STOLEN, BODY) \
-    DEAL_PANELS(t, PANELS, (M) <= STREAM_ROWS ? DEAL_STOLEN : DEAL_ONE, STOLEN, BODY)
-
 /* A tile's share of the next panel's (or chunk's) cache lines, asked of memory a line every
    few steps of its pass rather than all at once: misses asked for in a burst queue behind each
    other and stall the core (linear.c's panel_rows). */
