@@ -3,9 +3,10 @@
 
    FOR_DEALT_AHEAD: items one at a time, each thread claiming its next item before it does the
    one it has (OpenMP's dynamic schedule, by hand), so that the item in hand can ask for the next
-   one's memory meanwhile: linear_bf16's panels at decode batches (the last chunk of a panel asks
-   for the next panel's first), decode attention's (row, kv head) tasks (a task's value sums ask
-   for the next task's blocks). Whichever thread is free takes the next item, so a thread
+   one's memory meanwhile: linear_bf16's panels beyond a few rows (at decode batches the last
+   chunk of a panel asks for the next panel's first; in prefill every tile a share of it),
+   linear_mixed's at decode batches, decode attention's (row, kv head) tasks (a task's value
+   sums ask for the next task's blocks). Whichever thread is free takes the next item, so a thread
    preempted by the serving processes holds up one item, not a share.
 
    FOR_STOLEN: a share of contiguous items per thread, and work stealing (below). */
