@@ -234,7 +234,7 @@ needs_fast_linear = pytest.mark.skipif(not _fast_linear(), reason="the CPU lacks
 # rows: one decode row, an 8-row tile plus remainders, more rows than tiles; n: whole 32-column
 # panels, a half panel and ragged ones; k: even, odd (a zero-padded last pair)
 @needs_fast_linear
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 33, 64])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 33, 64, 80])  # streamed, a tile, chunked, prefill
 @pytest.mark.parametrize("n,k", [(8, 64), (13, 70), (37, 19), (96, 576)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_matches_torch(rows: int, n: int, k: int, bias: bool) -> None:
