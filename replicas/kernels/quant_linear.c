@@ -690,9 +690,9 @@ int linear_q(const void *x, const void *w, const void *bias, void *y, int64_t M,
                 xsum = xround + M * K;
                 xb = (uint16_t *)(xsum + M * K / QK);
             }
-            /* row by row across the team: on one thread, with the other waiting, this took
-               14% of a 32-row call at K = 1536 */
-#pragma omp parallel for num_threads(num_threads) schedule(static)
+            /* row by row across the team beyond a tile of rows: on one thread, with the other
+               waiting, this took 14% of a 32-row call at K = 1536 */
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (M > MIXED_ROWS)
             for (int64_t m = 0; m < M; m++) {
                 round_bf16(xs + m * K, K, xround + m * K, xb ? xb + m * K : NULL);
                 for (int64_t b = m * (K / QK); xsum != NULL && b < (m + 1) * (K / QK); b++) {
