@@ -33,6 +33,7 @@
 #endif
 
 #define PANEL 32 /* output columns per panel: two 16-lane vectors */
+#define PANEL_SIZE(K) (((K) + 1) / 2 * 2 * PANEL) /* bf16 elements of a packed panel */
 #define ROWS 8   /* rows of x per tile: 16 accumulators */
 #define CHUNK_PAIRS 32  /* k pairs of a panel per chunk (panel_rows): 4 KiB of weights, in L1 */
 #define CHUNKED_ROWS 64 /* up to this many rows the tiles take turns chunk by chunk */
@@ -143,7 +144,7 @@ static void panel_rows(const uint16_t *x, const uint16_t *panel, const uint16_t 
     }
     /* one row, a few, or prefill's many: each tile over the whole panel in one pass, the tiles
        of many asking for the thread's next panel meanwhile */
-    const int64_t lines = next_panel ? ((K + 1) / 2 * 2 * PANEL * 2 + 63) / 64 : 0;
+    const int64_t lines = next_panel ? (PANEL_SIZE(K) * 2 + 63) / 64 : 0;
     for (; m < whole; m += ROWS)
         whole_tile(x, panel, sums, bias, y, N, K, m, n0, ahead_share(next_panel, lines, m, ROWS, M),
                    ROWS);
@@ -160,7 +161,7 @@ int linear_bf16(const void *x, const void *w, const void *bias, void *y, int64_t
 #if HAVE_DPBF16
     const uint16_t *xs = x, *ws = w, *bs = bias;
     uint16_t *ys = y;
-    const int64_t panels = (N + PANEL - 1) / PANEL, panel_size = (K + 1) / 2 * 2 * PANEL;
+    const int64_t panels = (N + PANEL - 1) / PANEL, panel_size = PANEL_SIZE(K);
     int64_t claimed = 0;
     Stolen stolen;
     stolen_init(&stolen, panels, num_threads);
