@@ -40,7 +40,7 @@ from replicas.attention import (
     supports_varlen_prefill,
 )
 from replicas.block_tables import BlockTables
-from replicas.cuda_graphs import DecodeGraphs
+from replicas.cuda_graphs import MIXED_KEYS, StepGraphs
 from replicas.request import MultiModalItem
 
 
@@ -99,9 +99,28 @@ class StepOutput:
     encoder_hits: int = 0
 
 
+@dataclass(frozen=True)
+class TokenLayout:
+    """A step's tokens, row by row (int64 arrays): per step row its token count, first position
+    and first token's index; per token its step row, position, row of the block tables and
+    cache slot."""
+
+    counts: np.ndarray
+    starts: np.ndarray
+    offsets: np.ndarray
+    token_row: np.ndarray
+    positions: np.ndarray
+    token_table: np.ndarray
+    slot_mapping: np.ndarray
+
+    @property
+    def total(self) -> int:
+        return len(self.positions)
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int,
-                 graphs: DecodeGraphs | None = None, logits_on_device: bool = False,
+                 graphs: StepGraphs | None = None, logits_on_device: bool = False,
                  encoder_cache_rows: int = 16384) -> None:
         self.model = model
         self.multimodal = bool(getattr(model, "modalities", ()))
@@ -137,10 +156,9 @@ class ModelRunner:
         bs = self.block_size
         return self.block_tables.array[table_rows, positions // bs] * bs + positions % bs
 
-    def prepare(self, step: StepInput, table_rows: np.ndarray
-                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """The step's token ids, positions and attention metadata, computed for all its tokens
-        at once from the persistent tables (`table_rows`: each step row's table)."""
+    def layout(self, step: StepInput, table_rows: np.ndarray) -> TokenLayout:
+        """Where each of the step's tokens sits (`table_rows`: each step row's table), computed
+        for all of them at once from the persistent tables."""
         rows = step.rows
         n_rows = len(rows)
         counts = np.fromiter((len(r.token_ids) for r in rows), np.int64, n_rows)
@@ -153,7 +171,21 @@ class ModelRunner:
             token_row = np.repeat(np.arange(n_rows), counts)  # each token's step row
             positions = np.arange(total, dtype=np.int64) + (starts - offsets)[token_row]
         token_table = table_rows[token_row]  # each token's row of the tables
-        slot_mapping = self._cache_slots(token_table, positions)
+        return TokenLayout(counts, starts, offsets, token_row, positions, token_table,
+                           self._cache_slots(token_table, positions))
+
+    def prepare(self, step: StepInput, table_rows: np.ndarray, layout: TokenLayout | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The step's token ids, positions and attention metadata (`table_rows`: each step row's
+        table; `layout`: its tokens', computed here if not given)."""
+        if layout is None:
+            layout = self.layout(step, table_rows)
+        rows = step.rows
+        n_rows = len(rows)
+        counts, starts, offsets = layout.counts, layout.starts, layout.offsets
+        token_row, positions = layout.token_row, layout.positions
+        token_table, slot_mapping = layout.token_table, layout.slot_mapping
+        total = layout.total
         # decode rows (one token), and on CPUs every prefill token too (`native_prefill`), are
         # attended as decode tokens; on GPUs prefill rows keep flash attention (varlen or per row)
         decode_row = (np.ones(n_rows, dtype=bool) if self.native_prefill else counts == 1)
@@ -234,53 +266,50 @@ class ModelRunner:
                                           device=self.device)
         return self._workspace[0], self._workspace[1]
 
-    def _replay(self, step: StepInput, table_rows: np.ndarray) -> StepOutput | None:
-        """A decode-only step through a CUDA graph; None where the step does not fit one."""
-        rows = step.rows
-        if any(len(r.token_ids) != 1 or r.all_logits for r in rows):
+    def _replay(self, step: StepInput, layout: TokenLayout) -> torch.Tensor | None:
+        """The step's last hidden states through a CUDA graph; None where it does not fit one:
+        more tokens than the graphs hold, media among them, or prompt tokens (mixed steps) where
+        the graphs take none or their contexts would cost more than flash attention's reads
+        (`cuda_graphs.MIXED_KEYS`)."""
+        graphs = self.graphs
+        if layout.total > graphs.max_tokens or any(r.encoder for r in step.rows):
             return None
-        bs = self.block_size
-        starts = np.fromiter((r.start for r in rows), np.int64, len(rows))
-        width = -(-(int(starts.max()) + 1) // bs)
-        if not self.graphs.fits(len(rows), width):
+        if layout.total > len(step.rows):
+            prompt = layout.counts[layout.token_row] > 1
+            if not graphs.mixed or int((layout.positions[prompt] + 1).sum()) > MIXED_KEYS:
+                return None
+        width = -(-(int(layout.positions.max()) + 1) // self.block_size)
+        if not graphs.fits(layout.total, width):
             return None
-        logits = self.graphs.run([r.token_ids[0] for r in rows], starts.tolist(),
-                                 self._cache_slots(table_rows, starts).tolist(),
-                                 torch.from_numpy(self.block_tables.array[table_rows, :width]),
-                                 (starts + 1).tolist())
-        sampled = [i for i, r in enumerate(rows) if r.sample]
-        if len(sampled) < len(rows):
-            logits = logits[sampled]
-        return StepOutput(self._sampled_logits(logits), (None,) * len(rows))
+        ids = np.fromiter(itertools.chain.from_iterable(r.token_ids for r in step.rows),
+                          np.int64, layout.total)
+        return graphs.run(ids, layout.positions, layout.slot_mapping,
+                          self.block_tables.array[layout.token_table, :width])
 
     @torch.no_grad()
     def execute(self, step: StepInput) -> StepOutput:
         table_rows = self.update_tables(step)
-        if self.graphs is not None:
-            out = self._replay(step, table_rows)
-            if out is not None:
-                return out
-        input_ids, positions, meta = self.prepare(step, table_rows)
+        layout = self.layout(step, table_rows)
+        hidden = self._replay(step, layout) if self.graphs is not None else None
         counts = (0, 0.0, 0)
-        if self.multimodal and any(row.encoder for row in step.rows):
-            embeds, counts = self._embeds(step)
-            hidden = self.model(input_ids, positions, self.kv_cache, meta, embeds=embeds)
+        if hidden is None:
+            input_ids, positions, meta = self.prepare(step, table_rows, layout)
+            if self.multimodal and any(row.encoder for row in step.rows):
+                embeds, counts = self._embeds(step)
+                hidden = self.model(input_ids, positions, self.kv_cache, meta, embeds=embeds)
+            else:
+                hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        ends = layout.offsets + layout.counts
+        sample = np.fromiter((r.sample for r in step.rows), bool, len(step.rows))
+        if sample.all() and layout.total == len(step.rows):  # decode rows that all sample
+            sampled = hidden
         else:
-            hidden = self.model(input_ids, positions, self.kv_cache, meta)
-        sample_index: list[int] = []
-        spans: list[tuple[int, int] | None] = []
-        offset = 0
-        for row in step.rows:
-            n = len(row.token_ids)
-            if row.sample:
-                sample_index.append(offset + n - 1)
-            spans.append((offset, offset + n) if row.all_logits else None)
-            offset += n
-        logits = self._sampled_logits(self.model.compute_logits(hidden[sample_index]).float())
+            sampled = hidden[torch.from_numpy(ends[sample] - 1).to(hidden.device)]
+        logits = self._sampled_logits(self.model.compute_logits(sampled).float())
         all_logits = tuple(
-            None if span is None
-            else self.model.compute_logits(hidden[span[0]:span[1]]).float().cpu()
-            for span in spans)
+            self.model.compute_logits(hidden[start:end]).float().cpu() if row.all_logits
+            else None
+            for row, start, end in zip(step.rows, layout.offsets.tolist(), ends.tolist()))
         return StepOutput(logits, all_logits, *counts)
 
     def _embeds(self, step: StepInput) -> tuple[tuple[torch.Tensor, torch.Tensor],

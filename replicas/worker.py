@@ -16,7 +16,7 @@ import torch.distributed as dist
 from transformers import AutoConfig
 
 from replicas import host_memory, kernels, kv_budget
-from replicas.cuda_graphs import DecodeGraphs
+from replicas.cuda_graphs import StepGraphs
 from replicas.loader import load_weights, quantize_int8
 from replicas.model_runner import ModelRunner, StepInput, StepOutput
 from replicas.models import get_model_class, text_config
@@ -33,8 +33,8 @@ class WorkerConfig:
     block_size: int
     tp_size: int = 1
     num_threads: int = 0  # torch intra-op threads; 0 = leave torch's default
-    # CUDA graphs for decode steps (CUDA, tp 1) need the largest batch and context to size their
-    # buffers; 0 leaves them off, as does cuda_graphs=False (vLLM's --enforce-eager)
+    # CUDA graphs (CUDA, tp 1) need the largest batch, step and context to size their buffers;
+    # 0 leaves them off, as does cuda_graphs=False (vLLM's --enforce-eager)
     max_num_seqs: int = 0
     max_model_len: int = 0
     cuda_graphs: bool = True
@@ -135,15 +135,16 @@ class ShardWorker:
             kv_cache = host_memory.zeros(shape, dtype)
         else:
             kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-        decode_graphs = None
+        step_graphs = None
         if graphs:
-            decode_graphs = DecodeGraphs(
+            step_graphs = StepGraphs(
                 model, kv_cache, config.block_size, config.max_num_seqs,
-                -(-config.max_model_len // config.block_size), pad_block=self.num_blocks)
-            seconds = decode_graphs.capture_all()
-            logger.info("captured %d decode CUDA graphs in %.1f s", len(decode_graphs.graphs),
-                        seconds)
-        self.runner = ModelRunner(model, kv_cache, config.block_size, decode_graphs,
+                config.max_num_batched_tokens, -(-config.max_model_len // config.block_size),
+                pad_block=self.num_blocks)
+            seconds = step_graphs.capture_all()
+            logger.info("captured %d CUDA graphs (steps of up to %d tokens) in %.1f s",
+                        len(step_graphs.graphs), step_graphs.max_tokens, seconds)
+        self.runner = ModelRunner(model, kv_cache, config.block_size, step_graphs,
                                   logits_on_device=config.logits_on_device)
 
     def _blocks_from_memory(self, decoder: Any, kv_heads: int, head_dim: int,

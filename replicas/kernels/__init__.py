@@ -265,7 +265,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         from replicas.kernels import triton_attention
         return triton_attention.paged_decode_attention(q, k_cache, v_cache, block_tables,
                                                        context_lens, block_size, scale)
-    q = q.contiguous()
+    # the C kernel reads the tables and lengths as dense arrays (a row of a view of a wider
+    # buffer, as the CUDA graphs' static tables, would be read at the wrong stride)
+    q, block_tables, context_lens = (q.contiguous(), block_tables.contiguous(),
+                                     context_lens.contiguous())
     out = torch.empty_like(q)
     b, h, d = q.shape
     kv_heads, slots, _ = k_cache.shape
