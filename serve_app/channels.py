@@ -125,6 +125,11 @@ class Subscription:
             with contextlib.suppress(Exception):  # cancel re-raises the call's own failure
                 self.call.cancel()
 
+    def expire(self) -> None:
+        """The request's time is up: the next wait for a batch raises TimeoutError (after the
+        batches already here)."""
+        self.box.put(TimeoutError())
+
     def close(self) -> None:
         """Stops taking the channel's batches (the call, if it still runs, ends by itself)."""
         if self.hub.subscriptions.get(self.request_id) is self:

@@ -69,7 +69,13 @@ class IncrementalDetokenizer:
         self.num_tokens = 0
         self.held = ""
         self.stopped: str | None = None
-        self.text = ""  # everything emitted so far
+        self._texts: list[str] = []  # everything emitted so far (`text`), piece by piece
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far (joined when asked: a string grown a token at a time is
+        copied whole on every token)."""
+        return "".join(self._texts)
 
     def _partial_stop_len(self, text: str) -> int:
         """Length of the longest suffix of `text` that is a proper prefix of a stop string: one
@@ -126,7 +132,7 @@ class IncrementalDetokenizer:
             self.num_tokens += len(token_ids)
             buf = self.held + "".join(self._step(t) for t in token_ids)
             self.held = ""
-            self.text += buf
+            self._texts.append(buf)
             return DetokenizedDelta(buf, used=len(token_ids))
         # token by token: the tokens after the one that completes a stop string are not output
         out = []
@@ -144,7 +150,7 @@ class IncrementalDetokenizer:
         buf = self.held + piece
         if self.num_tokens < self.min_tokens:
             self.held = ""
-            self.text += buf
+            self._texts.append(buf)
             return buf, None
         # a stop string may start in text already held back, so search the whole buffer
         best: tuple[int, str] | None = None
@@ -156,12 +162,12 @@ class IncrementalDetokenizer:
             i, s = best
             out = buf[: i + len(s)] if self.include_stop else buf[:i]
             self.held, self.stopped = "", s
-            self.text += out
+            self._texts.append(out)
             return out, s
         keep = self._partial_stop_len(buf)
         out = buf[: len(buf) - keep]
         self.held = buf[len(buf) - keep:]
-        self.text += out
+        self._texts.append(out)
         return out, None
 
     def flush(self) -> str:
@@ -170,5 +176,5 @@ class IncrementalDetokenizer:
         if self.stopped is not None:
             return ""
         out, self.held = self.held + self._pending(), ""
-        self.text += out
+        self._texts.append(out)
         return out

@@ -264,4 +264,22 @@ def sse(obj: Any) -> str:
     return f"data: {text.translate(_SSE_UNSAFE)}\n\n"
 
 
+def _json_str(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False).translate(_SSE_UNSAFE)
+
+
+class ContentChunks:
+    """A chat stream's content-only chunks as SSE events: the text `sse` makes of a
+    `ChatCompletionChunk` whose one choice's delta carries only content (most of a stream's
+    events), written from a prefix made once per request rather than through three pydantic
+    models and a dump a token (~35 us of the ingress's ~260 a token)."""
+
+    def __init__(self, request_id: str, created: int, model: str) -> None:
+        self.prefix = (f'data: {{"id":{_json_str(request_id)},"object":"chat.completion.chunk",'
+                       f'"created":{created},"model":{_json_str(model)},"choices":[{{"index":')
+
+    def event(self, index: int, content: str) -> str:
+        return f'{self.prefix}{index},"delta":{{"content":{_json_str(content)}}}}}]}}\n\n'
+
+
 DONE = "data: [DONE]\n\n"
