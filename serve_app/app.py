@@ -81,8 +81,14 @@ def build_app(config: AppConfig) -> Application:
 
 # Serve's controller reconciles every 0.1 s by default: 3.6% of a core on an idle 2-core VM,
 # taken from the engine's threads; 1.6% at 0.5 s. Autoscaling decides over windows of seconds,
-# so nothing waits on the faster loop
-SERVE_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
+# so nothing waits on the faster loop. Replicas run our code and their router on the replica's
+# own event loop (two of the knobs of Serve's RAY_SERVE_THROUGHPUT_OPTIMIZED) rather than on
+# loops in threads of their own: every SSE event otherwise crossed from the user code's thread
+# to the HTTP server's, and every handle call to the router's. An ingress streaming 64 requests
+# token by token: 172 -> 98-108 us of CPU an output token (benchmarks/RESULTS.md)
+SERVE_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+             "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+             "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 
 def set_serve_env() -> None:
