@@ -58,9 +58,10 @@ from structured.vocabulary import Vocabulary
 
 logger = logging.getLogger(__name__)
 
-# decode-only steps new requests may wait where those steps replay CUDA graphs: at ~5 ms a step
-# on an H200 (bench-135m, 256 rows), at most ~20 ms more TTFT, against an eager forward for every
-# step that takes in a prompt chunk under a steady stream of arrivals (scheduler.py)
+# decode-only steps new requests may wait where steps replay CUDA graphs: at ~4 ms a step on an
+# H200 (bench-135m, 256 rows), at most ~20 ms more TTFT. With mixed steps replayed too it still
+# paid there: 256 streams served 20,085 tok/s (TPOT p50 10.1 ms) against 17,180 (11.7) with
+# arrivals joining at once, in fewer, fuller steps (570 against 612; benchmarks/RESULTS.md)
 DEFAULT_WAITING_STEPS = 4
 
 

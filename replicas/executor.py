@@ -18,7 +18,7 @@ class Executor(Protocol):
 
     def weight_formats(self) -> dict[str, int]: ...
 
-    def cuda_graphs(self) -> bool: ...  # whether decode-only steps replay CUDA graphs
+    def cuda_graphs(self) -> bool: ...  # whether steps replay CUDA graphs
 
     def num_blocks(self) -> int: ...  # the KV blocks every shard holds
 

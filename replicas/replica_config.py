@@ -42,10 +42,10 @@ class ReplicaConfig:
     # the least wait between two of one request's streamed messages, which the engine core
     # honours too (replicas/output_pacer.py); None: 40 ms on CPUs under the default budget, else 0
     stream_floor_s: float | None = None
-    # vLLM's --enforce-eager: no CUDA graphs for decode steps (they apply on CUDA at tp 1)
+    # vLLM's --enforce-eager: no CUDA graphs (they apply on CUDA at tp 1)
     enforce_eager: bool = False
-    # decode-only steps new sequences may sit out so the step stays a CUDA graph
-    # (replicas/scheduler.py); None: 4 where decode steps replay CUDA graphs, else 0
+    # decode-only steps new sequences may sit out to join together (replicas/scheduler.py);
+    # None: 4 where steps replay CUDA graphs, else 0
     max_waiting_steps: int | None = None
     # vLLM's --async-scheduling: each step is scheduled while the one before it runs
     # (replicas/engine.py, Engine._launch_ahead); off unless asked for: served, it measured

@@ -7,9 +7,9 @@ running sequence that would be served last is preempted: its blocks are freed an
 recomputed (its prefix is usually still cached).
 
 With `max_waiting_steps` > 0, sequences that arrive while every running one decodes wait up to
-that many steps and then join together (TGI's `max_waiting_tokens`): a decode-only step replays
-a CUDA graph, and one prompt chunk in it makes the whole step an eager forward several times as
-long: under a steady stream of arrivals nearly every step would be eager."""
+that many steps and then join together (TGI's `max_waiting_tokens`): under a steady stream of
+arrivals nearly every step would otherwise carry a prompt chunk or two, and on a GPU fewer,
+fuller steps served more (benchmarks/RESULTS.md, 2026-11-28)."""
 
 from __future__ import annotations
 

@@ -74,11 +74,11 @@ def _serve_parser(sub: Any) -> None:
                    help="how the model writes reasoning (default: detected from its chat "
                         "template or <think> tokens; none: never split it out)")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="no CUDA graphs for decode steps (used on CUDA at tensor-parallel size 1)")
+                   help="no CUDA graphs (used on CUDA at tensor-parallel size 1)")
     p.add_argument("--max-waiting-steps", type=int,
-                   help="decode steps new requests may wait before joining the batch together, "
-                        "so those steps stay CUDA graphs (TGI's --max-waiting-tokens; default 4 "
-                        "where decode steps replay CUDA graphs, else 0)")
+                   help="decode steps new requests may wait before joining the batch together "
+                        "(TGI's --max-waiting-tokens; default 4 where steps replay CUDA graphs, "
+                        "else 0)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule each engine step while the one before it runs (vLLM's "
                         "--async-scheduling; default off: served, it measured slower on CPUs "

@@ -75,8 +75,8 @@ class ModelConfig(BaseModel):
     # streaming requests (0: no limit; None: 500 on GPUs, 50 on CPUs)
     stream_messages_per_s: float | None = Field(None, ge=0)
     enforce_eager: bool = False
-    # decode-only steps (CUDA graphs) that new requests may wait for before they join the batch
-    # together (TGI's max_waiting_tokens); None: 4 where the replica replays CUDA graphs, else 0
+    # decode-only steps that new requests may wait for before they join the batch together
+    # (TGI's max_waiting_tokens); None: 4 where the replica replays CUDA graphs, else 0
     max_waiting_steps: int | None = Field(None, ge=0)
     # vLLM's --async-scheduling: each engine step is scheduled while the one before it runs;
     # off unless asked for: served, it measured slower on CPUs (the loop's thread takes a core
