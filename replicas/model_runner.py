@@ -14,7 +14,7 @@ Media items are encoded at most once while they stay in a bounded LRU cache of e
 (keyed by `MultiModalItem.key`): chunked prefill reads an image's rows over several steps, and
 requests sharing an image share its rows. Each step encodes all its missing items in one
 `model.encode` call per modality, batched across rows. Every rank encodes on its own (the
-encoders are replicated); decode steps, the only ones CUDA graphs replay, never carry media.
+encoders are replicated); a step with media runs eagerly (CUDA graphs take token ids only).
 A model with M-RoPE (`uses_mrope`, Qwen2.5-VL) takes [3, T] positions: each row's `mrope`, or its
 text positions on all three axes where it has none."""
 
