@@ -1,11 +1,11 @@
-"""CUDA graphs for steps of up to a few hundred tokens: a step's ~300-1000 kernel launches
-replayed as one.
+"""CUDA graphs for steps of up to 1,024 tokens: a step's ~300-1000 kernel launches replayed as
+one.
 
 Without them a step of a small model on a GPU is host-bound: bench-135m at batch 32 on an H100
 spent 3.2 ms of a ~40 ms step in kernels, the rest launching them from Python. A graph per
 (token bucket, block-table width bucket) is captured when the worker starts, as vLLM does
-(bench-135m: 78 graphs in 5.2 s on an H100): captured on first use instead, each new bucket stalled
-serving for three eager forwards. The graphs share one memory pool and write their last hidden
+(bench-135m: 108-162 graphs in 5.5-8.6 s on an H200): captured on first use instead, each new
+bucket stalled serving for three eager forwards. The graphs share one memory pool and write their last hidden
 states into one static buffer, so no graph's output pins pool memory (the runner computes the
 logits of the rows that sample from it); inputs live in static buffers that each replay
 overwrites. Rows past the real tokens are padding: they write their key and value into a spare

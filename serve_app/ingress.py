@@ -163,7 +163,7 @@ class Generation:
         # one timer for the request, which queues a TimeoutError behind the batches that came
         # before it: the limit then fires only where the loop waits for the next batch, never
         # in what the consumer does between yields (an `asyncio.timeout` around each wait
-        # scheduled and cancelled a timer per SSE event: ~30 us of the ingress's ~260 a token)
+        # scheduled and cancelled a timer per SSE event: 5 us a token, warm)
         expiry = loop.call_at(loop.time() + timeout, self.call.expire)
         batches_in = aiter(self)
         ended = drain = finished = False

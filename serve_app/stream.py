@@ -272,7 +272,8 @@ class ContentChunks:
     """A chat stream's content-only chunks as SSE events: the text `sse` makes of a
     `ChatCompletionChunk` whose one choice's delta carries only content (most of a stream's
     events), written from a prefix made once per request rather than through three pydantic
-    models and a dump a token (~35 us of the ingress's ~260 a token)."""
+    models and a dump a token (2.5 against 12.3 us, warm; the ingress spends ~100-130 us a
+    token in all)."""
 
     def __init__(self, request_id: str, created: int, model: str) -> None:
         self.prefix = (f'data: {{"id":{_json_str(request_id)},"object":"chat.completion.chunk",'
