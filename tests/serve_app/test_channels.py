@@ -221,6 +221,28 @@ async def test_a_request_whose_choices_all_ended_leaves_its_call_to_end_by_itsel
         call.queue.put_nowait(None)
 
 
+async def test_the_timeout_fires_where_the_stream_waits_after_what_came_before_it() -> None:
+    """One timer a request: at its end the batches that arrived first are still delivered, then
+    the wait for the next one is a 408 and the call is cancelled, so the replica frees it."""
+    from serve_app.errors import APIError
+    from serve_app.ingress import Generation
+
+    hub, sub, call = subscribed(n=1)
+    call.queue.put_nowait(Channeled("replica-a"))
+    sub.from_channel((batch(0, 1),))
+    gen = Generation(sub, await anext(sub), "r1", board=None)  # type: ignore[arg-type]
+    deltas = gen.deltas([_Choice(0)], timeout=0.2)
+    assert [d async for _, d in _take(deltas, 1)] == [(1,)]
+    sub.from_channel((batch(0, 2),))
+    await asyncio.sleep(0.3)  # the limit passes while the consumer is busy elsewhere
+    assert [d async for _, d in _take(deltas, 1)] == [(2,)]  # what came before it first
+    with pytest.raises(APIError) as error:
+        await anext(deltas)
+    assert error.value.status == 408 and error.value.param == "inference_timeout"
+    assert call.cancelled and hub.subscriptions == {}
+    call.queue.put_nowait(None)
+
+
 async def _take(it, n: int):
     for _ in range(n):
         yield await anext(it)
