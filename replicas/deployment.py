@@ -163,7 +163,7 @@ class LLMServer:
                 if outbox.channel is not None:
                     continue  # only each choice's last batch comes here: the channel sent it
                 if first and batches and self.replica_id is not None:
-                    batches = (replace(batches[0], replica=self.replica_id), *batches[1:])
+                    batches = (batches[0]._replace(replica=self.replica_id), *batches[1:])
                 first = False
                 self.stream_messages += 1
                 yield batches

@@ -560,7 +560,7 @@ class Engine:
                     raise EngineError("the engine step before this one failed", status=503,
                                       type_="ServiceUnavailableError",
                                       retry_after=RETRY_AFTER_S)
-                row = dataclasses.replace(row, token_ids=(*row.token_ids[:-1], token))
+                row = row._replace(token_ids=(*row.token_ids[:-1], token))
             rows.append(row)
         return dataclasses.replace(step, rows=tuple(rows))
 

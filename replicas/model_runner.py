@@ -26,7 +26,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -66,8 +66,10 @@ def encoder_slices(items: Sequence[MultiModalItem], start: int,
     return tuple(out)
 
 
-@dataclass(frozen=True)
-class RowInput:
+class RowInput(NamedTuple):
+    """One row of a step (a NamedTuple, not a frozen dataclass: the engine makes one per row
+    per step, 0.8 against 1.7 us)."""
+
     token_ids: tuple[int, ...]  # the tokens this step computes for the row
     start: int  # position of the first of them
     # the blocks the row's table gained since the runner last saw `seq_id` (all of it the first
