@@ -123,7 +123,7 @@ class TokenLogprob:
 class TokenBatch(NamedTuple):
     """Every token one choice produced since the previous batch of that choice. Immutable as a
     NamedTuple rather than a frozen dataclass: one is made per row per step in the engine core
-    and again in the front, and a NamedTuple is built in 0.8 us against the dataclass's 1.9."""
+    and again in the front, and a NamedTuple is built in 0.9 us against the dataclass's 2.7."""
 
     choice_index: int
     token_ids: tuple[int, ...]
