@@ -14,7 +14,8 @@ fuller steps served more (benchmarks/RESULTS.md, 2026-11-28)."""
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import NamedTuple
 
 from replicas.kv_cache import BlockManager
 from replicas.request import Sequence, SequenceStatus
@@ -28,24 +29,25 @@ class SchedulerConfig:
     max_waiting_steps: int = 0  # decode-only steps new sequences may sit out (0: none)
 
 
-@dataclass(frozen=True)
-class ScheduledSeq:
+class ScheduledSeq(NamedTuple):
+    """A sequence's share of a step (a NamedTuple, not a frozen dataclass: one per row per
+    step; `of` builds it)."""
+
     seq: Sequence
     num_new_tokens: int
     # True when this step computes the sequence's last known token, so a new one is sampled;
     # fixed when scheduled (with async scheduling the engine advances the sequence before the
     # step's result comes back)
-    samples: bool = field(init=False)
+    samples: bool
     # the sequence's computed tokens and table epoch when scheduled
-    before: int = field(init=False)
-    epoch: int = field(init=False)
+    before: int
+    epoch: int
 
-    def __post_init__(self) -> None:
-        seq = self.seq
-        object.__setattr__(self, "samples",
-                           seq.num_computed_tokens + self.num_new_tokens == len(seq))
-        object.__setattr__(self, "before", seq.num_computed_tokens)
-        object.__setattr__(self, "epoch", seq.table_epoch)
+    @classmethod
+    def of(cls, seq: Sequence, num_new_tokens: int) -> ScheduledSeq:
+        before = seq.num_computed_tokens
+        return cls(seq, num_new_tokens, before + num_new_tokens == len(seq), before,
+                   seq.table_epoch)
 
 
 class Scheduler:
@@ -110,7 +112,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                scheduled.append(ScheduledSeq(seq, num_new))
+                scheduled.append(ScheduledSeq.of(seq, num_new))
                 budget -= num_new
                 i += 1
                 continue
@@ -129,6 +131,6 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            scheduled.append(ScheduledSeq(seq, num_new))
+            scheduled.append(ScheduledSeq.of(seq, num_new))
             budget -= num_new
         return scheduled
