@@ -66,8 +66,6 @@ class StepGraphs:
         self.device = kv_cache.device
         dev = self.device
         self.native = kernels.supports_paged_decode(kv_cache.dtype, dev)
-        # mixed steps only through the paged kernel (module docstring)
-        self.mixed = self.native
         max_tokens = graph_tokens(max_num_seqs, max_num_batched_tokens, self.mixed)
         self.batch_buckets = _buckets(max_tokens, BatchSizes)
         self.width_buckets = _buckets(max_blocks, tuple(2 ** i for i in range(20)))
@@ -89,6 +87,12 @@ class StepGraphs:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool: object | None = None
         self.hidden: torch.Tensor | None = None  # [max_tokens, hidden]: every graph's output
+
+    @property
+    def mixed(self) -> bool:
+        """Whether steps with prompt tokens replay too: only through the paged kernel (module
+        docstring)."""
+        return self.native
 
     def fits(self, tokens: int, width: int) -> bool:
         return tokens <= self.batch_buckets[-1] and width <= self.width_buckets[-1]
