@@ -589,6 +589,7 @@ class Engine:
         # seq_id -> (logits that verify its draft, its computed tokens before this step)
         drafts: dict[int, tuple[torch.Tensor, int]] = {}
         dropped: set[int] = set()  # drafts taken back: nothing of theirs was sampled
+        advanced, commit = step.advanced, self.blocks.commit_full_blocks
         for s, all_logits in zip(step.scheduled, out.all_logits):
             seq = s.seq
             before = s.before
@@ -596,7 +597,7 @@ class Engine:
                 self.stats.prompt_tokens += min(s.num_new_tokens, seq.num_prompt_tokens - before)
             if seq.is_finished or seq.table_epoch != s.epoch:
                 continue
-            if not step.advanced:
+            if not advanced:
                 seq.num_computed_tokens += s.num_new_tokens
             if seq.proposed:
                 if s.samples and all_logits is not None:
@@ -607,26 +608,29 @@ class Engine:
                     continue
                 self._drop_draft(seq)  # only part of it fitted this step's budget
                 dropped.add(seq.seq_id)
-            self.blocks.commit_full_blocks(seq, before)
+            commit(seq, before)
             if all_logits is not None and seq.prompt_logprobs is not None:
                 self._prompt_logprobs(seq, before, all_logits)
         if result is None:
             return
+        aborted, row_errors = self._aborted, step.row_errors
+        failed, masked_out = result.failed, result.masked_out
         for row, (seq, token, lp) in enumerate(zip(step.sampling, result.token_ids,
                                                    result.logprobs)):
-            if seq.request_id in self._aborted or seq.is_finished or seq.seq_id in dropped:
+            if seq.request_id in aborted or seq.is_finished or seq.seq_id in dropped:
                 continue
-            error = step.row_errors.get(seq.seq_id)
-            if row in result.failed:
-                error = EngineError(result.failed[row], param="logits_processors")
-            if error is not None:
-                self._fail(seq.request_id, error)
-                continue
-            if row in result.masked_out:
-                self._end_masked_out(seq)
-                continue
+            if row_errors or failed or masked_out:
+                error = row_errors.get(seq.seq_id)
+                if row in failed:
+                    error = EngineError(failed[row], param="logits_processors")
+                if error is not None:
+                    self._fail(seq.request_id, error)
+                    continue
+                if row in masked_out:
+                    self._end_masked_out(seq)
+                    continue
             try:
-                self._take_sampled(seq, token, lp, drafts, step.advanced)
+                self._take_sampled(seq, token, lp, drafts, advanced)
             except Exception as exc:  # this row's guide or draft: its request fails, not the step
                 logger.exception("sampled token of %s failed", seq.request_id)
                 self._fail(seq.request_id, _internal_error("sampled token", exc))
@@ -634,10 +638,9 @@ class Engine:
     def _take_sampled(self, seq: Sequence, token: int, lp: TokenLogprob | None,
                       drafts: dict[int, tuple[torch.Tensor, int]], advanced: bool) -> None:
         """`advanced`: the sequence holds the token's placeholder already (`_launch_ahead`)."""
-        kept: list[int] = []
-        if seq.seq_id in drafts:
-            kept, token = self._verify_draft(seq, *drafts[seq.seq_id], token)
-        new = list(kept)
+        new: list[int] = []
+        if drafts and seq.seq_id in drafts:
+            new, token = self._verify_draft(seq, *drafts[seq.seq_id], token)
         if not seq.is_finished:
             if advanced:
                 if seq.token_ids[-1] != PENDING:
@@ -645,9 +648,10 @@ class Engine:
                 seq.token_ids[-1] = token
             else:
                 seq.token_ids.append(token)
-            forced = self._advance_guide(seq, token) if seq.guide is not None else []
+            new.append(token)
+            if seq.guide is not None:
+                new += self._advance_guide(seq, token)
             self._check_stop(seq, token)
-            new += [token, *forced]
         self.stats.generation_tokens += len(new)  # every output token, as usage
         self._emit(seq, tuple(new), lp)
         if not seq.is_finished and prediction.can_predict(seq):
@@ -743,14 +747,16 @@ class Engine:
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params
+        length = len(seq.token_ids)  # (one step's rows call this: no properties in it)
+        out = length - seq.num_prompt_tokens
         # a finish_reason already set means the constraint ended the output
-        if seq.finish_reason is None and seq.num_output_tokens >= p.min_tokens:
+        if seq.finish_reason is None and out >= p.min_tokens:
             if token in self.eos_ids and not p.ignore_eos:
                 seq.finish_reason = "stop"
             elif token in p.stop_token_set:
                 seq.finish_reason, seq.stop_reason = "stop", token
-        if seq.finish_reason is None and (seq.num_output_tokens >= p.max_tokens
-                                          or len(seq) >= self.config.max_model_len):
+        if seq.finish_reason is None and (out >= p.max_tokens
+                                          or length >= self.config.max_model_len):
             seq.finish_reason = "length"
         if seq.finish_reason is not None:
             seq.status = SequenceStatus.FINISHED
@@ -760,13 +766,14 @@ class Engine:
         if seq.request_id not in self._requests:
             return
         first = seq.num_output_tokens == len(tokens)
+        accepted, rejected = seq.accepted_prediction, seq.rejected_prediction
         self._outputs.append((seq.request_id, TokenBatch(
             seq.choice_index, tokens, None if lp is None else (lp,), seq.finish_reason,
             seq.stop_reason, seq.num_prompt_tokens, seq.num_cached_tokens if first else 0,
             tuple(seq.prompt_logprobs) if first and seq.prompt_logprobs is not None else None,
-            accepted_prediction_tokens=seq.accepted_prediction,
-            rejected_prediction_tokens=seq.rejected_prediction)))
-        seq.accepted_prediction = seq.rejected_prediction = 0
+            None, accepted, rejected)))
+        if accepted or rejected:
+            seq.accepted_prediction = seq.rejected_prediction = 0
         if seq.is_finished:
             self._finished_lengths[(seq.request_id, seq.choice_index)] = seq.num_output_tokens
             if len(self._finished_lengths) > FINISHED_LENGTHS_KEPT:
