@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.num_threads,
         async_scheduling=args.async_scheduling), in_process=in_process)
     if in_process:  # as the core process does before it serves
-        from replicas.engine_core import freeze_startup_heap
+        from replicas.heap import freeze_startup_heap
         freeze_startup_heap()
     vocab = min(server.vocab_size, 3900)
     reqs = [GenerateRequest(f"b{k}", tuple(rng.randrange(10, vocab) for _ in range(i)),

@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import cProfile
 import ctypes
-import gc
 import json
 import logging
 import os
@@ -43,6 +42,7 @@ from replicas import kernels, kv_budget
 from replicas.engine import Engine, EngineConfig, compute_thread
 from replicas.executor import InProcessExecutor
 from replicas.gguf_checkpoint import LINK
+from replicas.heap import freeze_startup_heap
 from replicas.ingress_routes import IngressRoutes
 from replicas.kernels import isa
 from replicas.logits_processors import load_factory
@@ -109,18 +109,6 @@ def _tokenizer_size(path: Path) -> int | None:
     if not file.exists():
         return None
     return Tokenizer.from_file(str(file)).get_vocab_size(with_added_tokens=True)
-
-
-def freeze_startup_heap() -> None:
-    """Moves what starting the core allocated (the libraries' modules, the model's modules and
-    config, the tokenizer: ~400,000 objects with bench-135m) into the collector's permanent
-    generation, as vLLM's engine core does. Every oldest-generation collection walked all of
-    them: the loop's steps allocate thousands of tuples each, so a full pass came every few
-    steps, inside one of them. Engine loop warm at 256 rows (forward replaced by fixed logits,
-    AMD EPYC Zen 4): `_launch` 1.66-1.70 ms a step on average against a 1.04 median before,
-    1.03-1.08 (its median) after."""
-    gc.collect()
-    gc.freeze()
 
 
 class EngineCore:
