@@ -33,7 +33,6 @@ from replicas.channel import (
     node_id,
 )
 from replicas.core_client import InProcessCore, ProcessCore
-from replicas.heap import freeze_startup_heap
 from replicas.replica_config import CoreSpec, ReplicaConfig
 from replicas.request import EngineError, GenerateRequest, TokenBatch, coalesce
 
@@ -211,7 +210,6 @@ class LLMReplica:
             ctx.app_name, model_name, replica, self.server.stats))
         self._stops = loop.create_task(status_board.take_stops_forever(
             ctx.app_name, replica, self.server.stop_choice))
-        freeze_startup_heap()
 
     async def generate(self, request: GenerateRequest, channel: str | None = None
                        ) -> AsyncIterator[tuple[TokenBatch, ...] | Channeled | NeedChannel

@@ -26,7 +26,6 @@ from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-from replicas.heap import freeze_startup_heap
 from replicas.niceness import LoadPriority
 from replicas.request import GenerateRequest, MultiModalItem, TokenBatch
 from replicas.status_board import BoardReader, app_name_here
@@ -261,7 +260,6 @@ class Ingress:
             self.board.start()
         self.channels = {name: ChannelHub(h.options(stream=True), _replica_id())
                          for name, h in handles.items()}
-        freeze_startup_heap()
 
     # ---- plumbing ------------------------------------------------------------------------------
     async def _parse(self, request: Request, model: type[T]) -> T:
