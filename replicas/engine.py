@@ -747,7 +747,7 @@ class Engine:
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params
-        length = len(seq.token_ids)  # (one step's rows call this: no properties in it)
+        length = len(seq.token_ids)  # every sampled row, every step: read once, no properties
         out = length - seq.num_prompt_tokens
         # a finish_reason already set means the constraint ended the output
         if seq.finish_reason is None and out >= p.min_tokens:
