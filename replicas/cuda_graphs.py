@@ -5,11 +5,12 @@ Without them a step of a small model on a GPU is host-bound: bench-135m at batch
 spent 3.2 ms of a ~40 ms step in kernels, the rest launching them from Python. A graph per
 (token bucket, block-table width bucket) is captured when the worker starts, as vLLM does
 (bench-135m: 108-162 graphs in 5.5-8.6 s on an H200): captured on first use instead, each new
-bucket stalled serving for three eager forwards. The graphs share one memory pool and write their last hidden
-states into one static buffer, so no graph's output pins pool memory (the runner computes the
-logits of the rows that sample from it); inputs live in static buffers that each replay
-overwrites. Rows past the real tokens are padding: they write their key and value into a spare
-block no sequence owns (the worker allocates one past the block manager's) and attend only to it.
+bucket stalled serving for three eager forwards. The graphs share one memory pool and write their
+last hidden states into one static buffer, so no graph's output pins pool memory (the runner
+computes the logits of the rows that sample from it); inputs live in static buffers that each
+replay overwrites. Rows past the real tokens are padding: they write their key and value into a
+spare block no sequence owns (the worker allocates one past the block manager's) and attend only
+to it.
 
 Every token is attended as a decode row of its own, its context the cache slots of its sequence's
 positions up to it (its own key and value are stored before the layer attends), so a step that
