@@ -37,9 +37,16 @@ def read_bandwidth(device: Any, gib: float = 1.0) -> float:
     """Bytes per second read by a sum over a tensor far larger than the caches (the median of 7
     after a warm-up): a reduction writes nothing back, as a decode step's weight reads do not. (A
     copy's read + write rate halved underestimates it on CPUs: 25.5 against 32.8 GB/s on the
-    project's Zen 4 box.)"""
+    project's Zen 4 box.) On CPUs the tensor is on huge pages, as the served weights are
+    (replicas/host_memory.py): the box's read rate, which on 4 KB pages it is not (a sum over
+    512 MB on the project's Zen 4: 42-47 GB/s on 4 KB pages, 52-62 on 2 MB pages, alternating)."""
     import torch
-    a = torch.ones(int(gib * 2**30) // 4, device=device)
+    numel = int(gib * 2**30) // 4
+    if device.type == "cpu":
+        from replicas import host_memory
+        a = host_memory.zeros((numel,), torch.float32)
+    else:
+        a = torch.ones(numel, device=device)
     times = []
     for _ in range(8):
         sync(device)

@@ -114,9 +114,12 @@ class ShardWorker:
             raise ValueError(f"--quantization {config.quantization!r}: only int8 is supported")
         model.to(self.device).eval()
         pack_weights(model)
+        # a decode step streams every weight: from huge pages 1.15-1.19x faster (host_memory)
+        on_huge_pages = self.device.type == "cpu" and host_memory.weights_to_huge_pages(model)
         host_memory.release_free_heap()
-        logger.info("weights: %s", ", ".join(f"{n} x {kind}"
-                                             for kind, n in weight_formats(model).items()))
+        logger.info("weights: %s%s", ", ".join(f"{n} x {kind}"
+                                               for kind, n in weight_formats(model).items()),
+                    ", in one huge-page mapping" if on_huge_pages else "")
         # the decoder's layers (a multimodal model exposes its decoder's as `layers`)
         head_dim = model.layers[0].self_attn.head_dim
         kv_heads = model.layers[0].self_attn.num_kv_heads
