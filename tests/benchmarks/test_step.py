@@ -26,6 +26,17 @@ def test_step_times_each_batch_and_its_bound(tmp_path) -> None:
     assert all(s["median_ms"] >= s["min_ms"] > 0 for s in steps.values())
 
 
+def test_small_pages_peer_steps_the_same_weights_off_the_huge_page_mapping(tmp_path) -> None:
+    parser = argparse.ArgumentParser()
+    step.add_cli_args(parser)
+    args = parser.parse_args(["--model", "shardserve/tiny-llama", "--batch-sizes", "1",
+                              "--context", "40", "--repeats", "3", "--dtype", "float32",
+                              "--small-pages-peer", "--result-json", str(tmp_path / "r.json")])
+    assert step.run_cli(args) == 0
+    one = json.loads((tmp_path / "r.json").read_text())["steps"]["1"]
+    assert one["small_pages_median_ms"] > 0 and one["median_ms"] > 0
+
+
 def test_runs_without_ray_or_the_serving_stack() -> None:
     """What lets it run on a bare GPU machine: importing it pulls in neither Ray nor FastAPI."""
     code = ("import sys, benchmarks.step, replicas.worker, replicas.model_files; "

@@ -58,3 +58,17 @@ def test_weights_under_a_huge_page_stay_where_they_are() -> None:
     ptr = model.weight.data_ptr()
     assert host_memory.weights_to_huge_pages(model) == 0
     assert model.weight.data_ptr() == ptr
+
+
+def test_a_loaded_models_weights_sit_in_one_huge_page_mapping() -> None:
+    """What the worker does with every CPU model it loads (after packing)."""
+    from replicas.model_files import resolve_model_path
+    from replicas.worker import ShardWorker, WorkerConfig
+    worker = ShardWorker(WorkerConfig(str(resolve_model_path("shardserve/tiny-llama")),
+                                      "float32", num_blocks=8, block_size=16))
+    params = list(worker.runner.model.parameters())
+    first = params[0].data_ptr()
+    ends = [p.data_ptr() + p.numel() * p.element_size() - first for p in params]
+    assert first % (2 << 20) == 0
+    assert all(p.data_ptr() >= first for p in params)
+    assert max(ends) <= sum(-(-p.numel() * p.element_size() // 64) * 64 for p in params)
