@@ -137,6 +137,9 @@ def cases(config: Any, dtype: Any) -> list[tuple[str, int, Callable[[], Any]]]:
             raw = torch.from_numpy(np.ascontiguousarray(quantize(
                 w.numpy(), GGMLQuantizationType.Q4_1)))
             q4.append((n, k, quant.pack(raw, quant.Q4_1, kernels.float32_panel())))
+        # the weights where the served ones are (one huge-page mapping: host_memory)
+        q4 = [(n, k, p) for (n, k, _), p in zip(
+            q4, host_memory.tensors_to_huge_pages([p for *_, p in q4]))]
         xs = {k: torch.randn(1, k, generator=g) for _, k, _ in q4}
         out.append((f"Q4_1 linear_q, 1 row, {len(q4)} projections",
                     sum(p.numel() for *_, p in q4),
@@ -147,6 +150,8 @@ def cases(config: Any, dtype: Any) -> list[tuple[str, int, Callable[[], Any]]]:
         if found is not None:
             packed.append((n, k, *found))
     if packed:
+        packed = [(n, k, p, fn) for (n, k, _, fn), p in zip(
+            packed, host_memory.tensors_to_huge_pages([p for _, _, p, _ in packed]))]
         xb = {k: torch.randn(1, k, generator=g).to(dtype) for _, k, _, _ in packed}
         name = "linear_mixed" if dtype == torch.float32 else "linear_bf16"
         out.append((f"bf16 weights ({name}), 1 row, {len(packed)} projections",

@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch.nn.functional as F
     from transformers import AutoConfig
 
-    from replicas import kernels
+    from replicas import host_memory, kernels
     from replicas.kernels import isa
     from replicas.model_files import resolve_model_path
 
@@ -77,6 +77,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 raise SystemExit(f"no native {args.dtype} linear on this build ({isa.selected()})")
             packed, native = found
             layers.append((name, n, k, w.to(dtype), packed))
+    # both kernels' weights where the served ones are (one huge-page mapping: host_memory)
+    moved = iter(host_memory.tensors_to_huge_pages([t for *_, w, p in layers for t in (w, p)]))
+    layers = [(name, n, k, next(moved), next(moved)) for name, n, k, _, _ in layers]
     flops_per_row = sum(2 * n * k for _, n, k, _, _ in layers)
     peak = kernels.fma_peak_gflops(dtype=dtype)
     weight_bytes = {"native": sum(p.numel() * p.element_size() for *_, p in layers),

@@ -93,6 +93,15 @@ def weights_to_huge_pages(model: torch.nn.Module) -> int:
     return total
 
 
+def tensors_to_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`tensors` laid out as `weights_to_huge_pages` lays out a model's (the benchmarks' packed
+    weights, so they read what the served ones read): the moved tensors in order, or the same
+    ones where nothing moved."""
+    holder = torch.nn.ParameterList(torch.nn.Parameter(t, requires_grad=False) for t in tensors)
+    weights_to_huge_pages(holder)
+    return [p.data for p in holder]
+
+
 def release_free_heap() -> None:
     """Returns the C heap's free pages to the system (glibc's malloc_trim; nothing elsewhere).
     Loading frees hundreds of MB of temporaries (float embeddings replaced by quantized rows,

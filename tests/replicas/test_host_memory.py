@@ -72,3 +72,13 @@ def test_a_loaded_models_weights_sit_in_one_huge_page_mapping() -> None:
     assert first % (2 << 20) == 0
     assert all(p.data_ptr() >= first for p in params)
     assert max(ends) <= sum(-(-p.numel() * p.element_size() // 64) * 64 for p in params)
+
+
+def test_loose_tensors_move_the_same_way() -> None:
+    big = [torch.randn(1024, 1024), torch.arange(1000, dtype=torch.uint8)]
+    moved = host_memory.tensors_to_huge_pages(big)
+    assert all(torch.equal(a, b) for a, b in zip(big, moved))
+    assert moved[0].data_ptr() % (2 << 20) == 0
+    assert moved[1].data_ptr() - moved[0].data_ptr() == 4 * 1024 * 1024
+    small = [torch.ones(4)]
+    assert host_memory.tensors_to_huge_pages(small)[0].data_ptr() == small[0].data_ptr()
