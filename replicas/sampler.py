@@ -226,12 +226,16 @@ def _truncate(logits: torch.Tensor, k: list[int], p: list[float], widen: bool = 
     vocab, dev = logits.shape[1], logits.device
     top_k = torch.tensor(k, device=dev).clamp(min=1).unsqueeze(1)
     top_p = torch.tensor(p, device=dev).unsqueeze(1)
-    total = logits.logsumexp(-1, keepdim=True)
+    # the row's probabilities in log space, of which the window's are gathered: torch's CPU
+    # logsumexp (the same from values - logsumexp) took 4-5x log_softmax's time on a
+    # low-temperature row, whose exponents underflow (49,152 logits at temperature 0.2: 1 row
+    # 204 against 51 us, 32 rows 3.6 against 0.79 ms; 2-core Zen 4), and was the less exact
+    log_probs = logits.log_softmax(-1)
     width = min(vocab, max(FIRST_CANDIDATES, max(x + 1 for x in k if x < vocab)
                            if any(x < vocab for x in k) else 0))
     while True:
         values, order = logits.topk(width, dim=-1)
-        probs = (values - total).exp()
+        probs = log_probs.gather(1, order).exp()
         ranks = torch.arange(width, device=dev).unsqueeze(0)
         # drop a token when the tokens ranked above it already reach top_p
         cut = (ranks >= top_k) | ((probs.cumsum(-1) - probs) >= top_p)
