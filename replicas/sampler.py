@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from replicas import kernels
 from replicas.host_tensors import int64
 from replicas.request import SamplingParams, Sequence, TokenLogprob
 from replicas.sampling_batch import BatchParams
@@ -234,7 +235,8 @@ def _truncate(logits: torch.Tensor, k: list[int], p: list[float], widen: bool = 
     width = min(vocab, max(FIRST_CANDIDATES, max(x + 1 for x in k if x < vocab)
                            if any(x < vocab for x in k) else 0))
     while True:
-        values, order = logits.topk(width, dim=-1)
+        values, order = (kernels.topk(logits, width) if kernels.supports_topk(logits, width)
+                         else logits.topk(width, dim=-1))
         probs = log_probs.gather(1, order).exp()
         ranks = torch.arange(width, device=dev).unsqueeze(0)
         # drop a token when the tokens ranked above it already reach top_p

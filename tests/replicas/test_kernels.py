@@ -376,3 +376,27 @@ def test_only_exact_bf16_weights_are_kept_as_bf16() -> None:
     assert not kernels.packs_mixed(w)  # a float32 checkpoint keeps its precision
     assert not kernels.packs_mixed(w.bfloat16())  # bf16 compute packs for dot products instead
     assert kernels.packs_mixed(w.bfloat16().float()) is (kernels.load() is not None)
+
+
+@pytest.mark.parametrize("rows,n,k", [(1, 49152, 64), (32, 4096, 64), (3, 5000, 256), (2, 200, 200),
+                                      (4, 17, 5), (2, 15, 1)])
+def test_topk_gives_torchs_values_and_indices(rows: int, n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(rows * n + k)
+    x = torch.randn(rows, n, generator=g) * 7
+    x[0, : n // 2] = float("-inf")  # a row with banned tokens
+    assert kernels.supports_topk(x, k)
+    values, indices = kernels.topk(x, k)
+    want_values, want_indices = x.topk(k, dim=-1)
+    assert torch.equal(values, want_values)
+    finite = torch.isfinite(want_values)  # -inf ties may come in another order
+    assert torch.equal(indices[finite], want_indices[finite])
+    assert torch.equal(x.gather(1, indices), values)
+
+
+def test_topk_puts_equal_values_lower_index_first_and_takes_only_what_it_can() -> None:
+    x = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0, float("-inf"), 0.5]])
+    values, indices = kernels.topk(x, 4)
+    assert values.tolist() == [[3.0, 3.0, 3.0, 2.0]] and indices.tolist() == [[1, 2, 4, 3]]
+    assert not kernels.supports_topk(x.bfloat16(), 4)
+    assert not kernels.supports_topk(x, 8)  # more than the row
+    assert not kernels.supports_topk(torch.zeros(2, 5000), kernels.TOPK_MAX + 1)
