@@ -215,15 +215,16 @@ def top_k_top_p_min_p(logits: torch.Tensor, seqs: list[Sequence],
 FIRST_CANDIDATES = 64
 
 
-def _truncate(logits: torch.Tensor, k: list[int], p: list[float], widen: bool = True
-              ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Each row's logits outside its top_k and top_p set to -inf (top_p over the whole row's
-    probabilities, keeping at least one token), as a full descending sort would, but over the
-    row's largest logits only: a window of the largest top_k or 64, widened 4x while some row's
-    top_p mass is not yet reached inside it. Sorting 49,152 logits a row cost ~1 ms a row a
-    step on CPUs; sampled text puts its top_p mass in a few dozen tokens. With `widen` False
-    the first window is all there is, and the second value marks the rows whose set reaches
-    past it (their first value's row is not their set); else it is None."""
+def _window(logits: torch.Tensor, k: list[int], p: list[float], widen: bool = True
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's top_k and top_p set (top_p over the whole row's probabilities, keeping at least
+    one token) as a full descending sort would find it, but over the row's largest logits only:
+    a window of the largest top_k or 64, widened 4x while some row's top_p mass is not yet
+    reached inside it (with `widen` False the first window is all there is). Sorting 49,152
+    logits a row cost ~1 ms a row a step on CPUs; sampled text puts its top_p mass in a few
+    dozen tokens. Returns, per row over the window: the logits, descending, their token ids,
+    their probabilities in the whole row, which of them are outside the set, and whether the
+    row's set lies inside the window."""
     vocab, dev = logits.shape[1], logits.device
     top_k = torch.tensor(k, device=dev).clamp(min=1).unsqueeze(1)
     top_p = torch.tensor(p, device=dev).unsqueeze(1)
@@ -246,8 +247,18 @@ def _truncate(logits: torch.Tensor, k: list[int], p: list[float], widen: bool = 
         if width == vocab or bool(reached.all()) or not widen:
             break
         width = min(vocab, width * 4)
+    closed = torch.ones_like(reached) if width == vocab else reached
+    return values, order, probs, cut, closed
+
+
+def _truncate(logits: torch.Tensor, k: list[int], p: list[float], widen: bool = True
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each row's logits outside its top_k and top_p set (`_window`) set to -inf. With `widen`
+    False the second value marks the rows whose set reaches past the first window (their first
+    value's row is not their set); else it is None."""
+    values, order, _, cut, closed = _window(logits, k, p, widen)
     out = torch.full_like(logits, _NEG_INF).scatter_(1, order, values.masked_fill(cut, _NEG_INF))
-    return out, (None if widen or width == vocab or bool(reached.all()) else ~reached)
+    return out, (None if widen or bool(closed.all()) else ~closed)
 
 
 def compute_logprobs(raw_logprobs: torch.Tensor, token_ids: torch.Tensor,
@@ -355,31 +366,41 @@ def _draw(logits: torch.Tensor, seqs: list[Sequence], batch: BatchParams) -> tor
     """One token a row by inverse transform, one uniform a row, where the exponential race drew
     one random per vocabulary entry (at 32 rows of a 49,152-token vocabulary its 1.6M uniforms,
     logs, divisions and argmax were 16 ms a step on a CPU). Rows with top-k or top-p draw from
-    their sets: cut in the first window of their largest logits (`_truncate`) where the set
-    lies inside it, else by rejection (`_draw_truncated`); the window widened to the whole row
-    (a sort) took 7-100 ms a step for 32 rows whose top_p mass spreads wide."""
-    vocab, rows = logits.shape[1], list(range(len(seqs)))
+    their sets: inside the first window of their largest logits (`_window`) where the set lies
+    inside it, in the window's order, so no pass over the vocabulary follows (softmax, running
+    sum and search over 32 x 49,152 logits were ~1.5 ms a step on 2 cores); else by rejection
+    (`_draw_truncated`); the window widened to the whole row (a sort) took 7-100 ms a step for
+    32 rows whose top_p mass spreads wide."""
+    rows = list(range(len(seqs)))
     uniforms = _Uniforms(seqs, batch.greedy, logits.device)
+    vocab = logits.shape[1]
     truncated = [i for i in rows if not batch.greedy[i]
                  and (batch.top_k[i] < vocab or batch.top_p[i] < 1.0)]
-    wide: list[int] = []
+    tokens = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
+    inside: list[int] = []  # rows drawn inside their window
+    wide: list[int] = []  # rows whose set reaches past it: whole rows, the rejection's first draw
     if truncated:
-        every = len(truncated) == len(rows)
-        part = logits if every else logits[truncated]
-        cut, open_rows = _truncate(part, [batch.top_k[i] for i in truncated],
-                                   [batch.top_p[i] for i in truncated], widen=False)
-        if open_rows is not None:  # whole rows: their first draw is the rejection's first
-            wide = [truncated[j] for j in open_rows.nonzero().flatten().tolist()]
-            cut[open_rows] = part[open_rows]
-        if every:
-            logits = cut
-        else:
-            logits[truncated] = cut
-    probs = logits.softmax(-1)
-    wide_probs = probs[wide] if wide else None
-    tokens = _inverse_cdf(probs, uniforms(rows))
-    if wide_probs is not None:
-        tokens[wide] = _draw_truncated(wide_probs, tokens[wide], wide, batch, uniforms)
+        part = logits if len(truncated) == len(rows) else logits[truncated]
+        _, order, probs, cut, closed = _window(part, [batch.top_k[i] for i in truncated],
+                                               [batch.top_p[i] for i in truncated], widen=False)
+        flags = closed.tolist()
+        inside = [i for i, f in zip(truncated, flags) if f]
+        wide = [i for i, f in zip(truncated, flags) if not f]
+        if inside:
+            kept = probs.masked_fill_(cut, 0.0)
+            if wide:
+                at = torch.tensor([j for j, f in enumerate(flags) if f], device=logits.device)
+                kept, order = kept[at], order[at]
+            drawn = _inverse_cdf(kept, uniforms(inside))
+            tokens[inside] = order.gather(1, drawn.unsqueeze(1)).squeeze(1)
+    rest = rows if not inside else [i for i in rows if i not in set(inside)]
+    if rest:
+        probs = (logits if len(rest) == len(rows) else logits[rest]).softmax(-1)
+        at_rest = {r: j for j, r in enumerate(rest)}
+        wide_probs = probs[[at_rest[i] for i in wide]] if wide else None
+        tokens[rest] = _inverse_cdf(probs, uniforms(rest))
+        if wide_probs is not None:
+            tokens[wide] = _draw_truncated(wide_probs, tokens[wide], wide, batch, uniforms)
     return tokens
 
 

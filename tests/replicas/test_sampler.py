@@ -220,3 +220,41 @@ def test_a_seed_draws_the_same_token_through_rejections() -> None:
     batch = sample(logits.expand(41, -1).clone(), seqs([None, *range(20), *[None] * 20]),
                    frozenset()).token_ids
     assert batch[1:21] == alone and len(set(alone)) > 5
+
+
+@pytest.mark.parametrize("top_k,top_p,want", [(0, 0.8, {7: 0.5 / 0.8, 8: 0.3 / 0.8}),
+                                              (2, 1.0, {7: 0.5 / 0.8, 8: 0.3 / 0.8}),
+                                              (3, 0.96, {7: 0.5 / 0.95, 8: 0.3 / 0.95,
+                                                         299: 0.15 / 0.95})])
+def test_a_set_inside_the_window_is_drawn_with_its_renormalised_probabilities(
+        top_k: int, top_p: float, want: dict[int, float]) -> None:
+    torch.manual_seed(4)
+    rows = 20000
+    # the rest of the mass spread thin over the other 297 tokens
+    logits = _logits(rows, {7: 0.5, 8: 0.3, 299: 0.15, **{t: 0.05 / 297 for t in range(9, 299)},
+                            **{t: 0.05 / 297 for t in range(7)}})
+    seqs = [Sequence(i, f"r{i}", 0, [1], 1, SamplingParams(max_tokens=4, top_k=top_k,
+                                                           top_p=top_p)) for i in range(rows)]
+    tokens = torch.tensor(sample(logits, seqs, frozenset()).token_ids)
+    assert set(tokens.unique().tolist()) == set(want)
+    freq = torch.bincount(tokens, minlength=300).float() / rows
+    torch.testing.assert_close(freq[list(want)], torch.tensor(list(want.values())), atol=0.015,
+                               rtol=0)
+
+
+def test_a_seed_draws_the_same_token_inside_its_window_whatever_shares_the_batch() -> None:
+    logits = torch.randn(1, 5000, generator=torch.Generator().manual_seed(2)) * 3
+    params = SamplingParams(max_tokens=4, top_p=0.9, temperature=0.7)
+
+    def seqs(seeds: list[int | None], plain: int = 0) -> list[Sequence]:
+        out = [Sequence(i, f"r{i}", 0, [1], 1, params) for i in range(len(seeds))]
+        out += [Sequence(len(seeds) + i, "p", 0, [1], 1, SamplingParams(max_tokens=4))
+                for i in range(plain)]  # rows without a set share the batch
+        for s, seed in zip(out, seeds):
+            if seed is not None:
+                s.generator = torch.Generator().manual_seed(seed)
+        return out
+    alone = [sample(logits.clone(), seqs([s]), frozenset()).token_ids[0] for s in range(20)]
+    batch = sample(logits.expand(45, -1).clone(), seqs([None, *range(20), *[None] * 20], plain=4),
+                   frozenset()).token_ids
+    assert batch[1:21] == alone and len(set(alone)) > 3
