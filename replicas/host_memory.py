@@ -5,10 +5,10 @@ A decode step streams every weight once, and reads each row's cached keys and va
 scattered over the whole cache, a 2 KB block here and the next megabytes away: on 4 KB pages
 every 4 KB of a weight, and nearly every cache block, costs a TLB miss and a page walk. On the
 project's 2-core EPYC (THP in `madvise` mode, as most distributions ship it), bench-135m's
-one-row decode step took 6.60 and 8.11 ms with its weights where torch's allocator put them (4 KB
-pages) and 5.54 and 7.06 ms with the same weights in one huge-page mapping (1.15-1.19x; a sum over
-512 MB read 42-47 against 52-62 GB/s); 30 layers of decode attention over 32 rows of 200 tokens
-in shuffled blocks took 23.3 and 25.6 ms on 4 KB pages and 17.9 and 24.2 ms on 2 MB pages
+one-row decode step ran 1.06-1.19x faster (five runs; 6.60 against 5.54 ms in one) with its
+weights in one huge-page mapping than where torch's allocator put them (4 KB pages), and a sum
+over 512 MB read 52-62 against 42-47 GB/s; 30 layers of decode attention over 32 rows of 200
+tokens in shuffled blocks took 23.3 and 25.6 ms on 4 KB pages and 17.9 and 24.2 ms on 2 MB pages
 (medians of 8 interleaved runs, twice). torch only asks for huge pages when THP_MEM_ALLOC_ENABLE
 is set before it starts, which a Ray worker cannot rely on; this module asks for them itself."""
 

@@ -393,7 +393,8 @@ def _draw(logits: torch.Tensor, seqs: list[Sequence], batch: BatchParams) -> tor
                 kept, order = kept[at], order[at]
             drawn = _inverse_cdf(kept, uniforms(inside))
             tokens[inside] = order.gather(1, drawn.unsqueeze(1)).squeeze(1)
-    rest = rows if not inside else [i for i in rows if i not in set(inside)]
+    drawn_inside = set(inside)
+    rest = [i for i in rows if i not in drawn_inside] if inside else rows
     if rest:
         probs = (logits if len(rest) == len(rows) else logits[rest]).softmax(-1)
         at_rest = {r: j for j, r in enumerate(rest)}

@@ -1,5 +1,5 @@
 /* The k largest logits of each row, for the sampler's top-k / top-p window (replicas/sampler.py:
-   `_truncate`). torch's CPU topk over a 49,152-token vocabulary took ~55-110 us a row (2.2 ms
+   `_window`). torch's CPU topk over a 49,152-token vocabulary took ~55-110 us a row (2.2 ms
    for 32 rows at k = 64, on 2 cores); one pass that keeps a heap of the k best and skips every
    block of 16 logits whose largest is no better than the heap's least (nearly all of them once
    the heap holds the row's top) reads the row once at the speed of a max.
