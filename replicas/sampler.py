@@ -17,8 +17,10 @@ a step syncs with the device once, for the chosen tokens."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from replicas import kernels
@@ -41,13 +43,24 @@ class SamplerOutput:
     failed: dict[int, str] = field(default_factory=dict)
 
 
-def _token_counts(rows: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+def _padded_ids(rows: list[list[int]], pad: Callable[[list[int]], int],
+                device: torch.device) -> torch.Tensor:
+    """[len(rows), longest] int64: each row's ids, then `pad(row)` to the longest. Filled
+    through numpy: torch.tensor over the nested lists took 1.0-1.6 ms for 32 rows of 130-260
+    ids, this 0.12 (2-core Zen 4)."""
     width = max((len(r) for r in rows), default=0)
+    ids = np.empty((len(rows), width), np.int64)
+    for j, r in enumerate(rows):
+        ids[j, :len(r)] = r
+        ids[j, len(r):] = pad(r)
+    return torch.from_numpy(ids).to(device)
+
+
+def _token_counts(rows: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
     counts = torch.zeros(len(rows), vocab + 1, device=device)
-    if width == 0:
+    if not any(rows):
         return counts[:, :vocab]
-    # padded into a spare column
-    ids = torch.tensor([r + [vocab] * (width - len(r)) for r in rows], device=device)
+    ids = _padded_ids(rows, lambda r: vocab, device)  # padded into a spare column
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
     return counts[:, :vocab]
 
@@ -61,13 +74,12 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence],
         # scattered back rather than a pass over every row's whole vocabulary (a model's
         # default penalty applies to every request; duplicates write the same value)
         repetition = batch.repetition.unsqueeze(1)
-        rows = [list(s.token_ids) for s in seqs]
-        width = max(len(r) for r in rows)
-        ids = torch.tensor([r + r[:1] * (width - len(r)) for r in rows], device=dev)
+        # padded with a row's own first token: a duplicate writes the same value
+        ids = _padded_ids([s.token_ids for s in seqs], lambda r: r[0], dev)
         seen = logits.gather(1, ids)
         logits.scatter_(1, ids, torch.where(seen > 0, seen / repetition, seen * repetition))
     if batch.presence is not None or batch.frequency is not None:
-        out_counts = _token_counts([list(s.output_token_ids) for s in seqs], vocab, dev)
+        out_counts = _token_counts([s.output_token_ids for s in seqs], vocab, dev)
         if batch.frequency is not None:
             logits -= batch.frequency.unsqueeze(1) * out_counts
         if batch.presence is not None:
