@@ -409,8 +409,10 @@ def _draw(logits: torch.Tensor, seqs: list[Sequence], batch: BatchParams) -> tor
     rest = [i for i in rows if i not in drawn_inside] if inside else rows
     if rest:
         probs = (logits if len(rest) == len(rows) else logits[rest]).softmax(-1)
-        at_rest = {r: j for j, r in enumerate(rest)}
-        wide_probs = probs[[at_rest[i] for i in wide]] if wide else None
+        wide_probs = None
+        if wide:  # taken before the draw overwrites them
+            at_rest = {r: j for j, r in enumerate(rest)}
+            wide_probs = probs[[at_rest[i] for i in wide]]
         tokens[rest] = _inverse_cdf(probs, uniforms(rest))
         if wide_probs is not None:
             tokens[wide] = _draw_truncated(wide_probs, tokens[wide], wide, batch, uniforms)
