@@ -54,7 +54,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = tuple(Path(__file__).with_name(name) for name in
                  ("paged_attention.c", "rms_norm.c", "rotary.c", "activation.c", "linear.c",
-                  "quant_linear.c", "llama_layers.c", "topk.c"))
+                  "quant_linear.c", "llama_layers.c", "sampling.c"))
 _HEADERS = tuple(Path(__file__).with_name(name)
                  for name in ("dtype.h", "vec.h", "exp_approx.h", "deal.h"))
 # the target flags come from the ISA level (isa.FLAGS), not -march=native: a build is chosen by
@@ -128,6 +128,7 @@ _SINGLE_SIGNATURES = {
     "llama_layers_bf16": _LAYERS, "llama_layers_f32": _LAYERS, "llama_layers_q": _LAYERS,
     "fma_peak": [_I64, _INT], "bf16_dot_peak": [_I64, _INT],
     "topk_f32": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _INT],
+    "draw_f32": [_PTR, _I64, _I64] + [_PTR] * 5 + [_INT],
 }
 
 
@@ -438,6 +439,31 @@ def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
                            indices.data_ptr(), torch.get_num_threads()):
         raise ValueError(f"topk wants 0 < k <= {x.shape[1]}, got {k}")
     return values, indices
+
+
+def supports_draw(x: torch.Tensor) -> bool:
+    """Whether `draw` takes x [rows, n]: float32 on a CPU with the native kernels."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
+            and x.shape[1] > 0 and load() is not None)
+
+
+def draw(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token a row of x [rows, n] (tempered logits) by inverse transform with uniforms u
+    [rows], inside each row's top_k [rows] (int64, n: none) / top_p [rows] (float32, 1: none)
+    set where it closes within the row's window (sampling.c). Returns the tokens and a bool per
+    row, False where the set reaches past the window (that row's token is not drawn). Call only
+    where `supports_draw`."""
+    x = x.contiguous()
+    rows = x.shape[0]
+    tokens = torch.empty(rows, dtype=torch.int64)
+    closed = torch.empty(rows, dtype=torch.uint8)
+    top_k, top_p = top_k.contiguous(), top_p.float().contiguous()
+    u = u.float().contiguous()
+    _kernel("draw_f32")(x.data_ptr(), rows, x.shape[1], top_k.data_ptr(), top_p.data_ptr(),
+                        u.data_ptr(), tokens.data_ptr(), closed.data_ptr(),
+                        torch.get_num_threads())
+    return tokens, closed.bool()
 
 
 def fma_peak_gflops(seconds: float = 1.0, dtype: torch.dtype = torch.float32) -> float:

@@ -400,3 +400,84 @@ def test_topk_puts_equal_values_lower_index_first_and_takes_only_what_it_can() -
     assert not kernels.supports_topk(x.bfloat16(), 4)
     assert not kernels.supports_topk(x, 8)  # more than the row
     assert not kernels.supports_topk(torch.zeros(2, 5000), kernels.TOPK_MAX + 1)
+
+
+def _inverse_cdf64(logits: torch.Tensor, u: float) -> int | None:
+    """The token the inverse transform gives for u over a row's logits, in float64; None where u
+    lies too near a boundary for float32 sums to agree on it."""
+    probs = (logits.double() - logits.max().double()).exp()
+    cdf = probs.cumsum(0) / probs.sum()
+    token = int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64), right=True))
+    near = (cdf - u).abs().min()
+    return None if near < 1e-5 else min(token, logits.numel() - 1)
+
+
+def _draw(x: torch.Tensor, u: list[float], top_k: int | None = None, top_p: float = 1.0):
+    """kernels.draw of the row x at each u (one row each)."""
+    rows, vocab = len(u), x.numel()
+    return kernels.draw(x.expand(rows, -1).contiguous(),
+                        torch.full((rows,), top_k or vocab, dtype=torch.int64),
+                        torch.full((rows,), top_p), torch.tensor(u))
+
+
+def test_draw_inverts_the_running_sum_of_the_rows_probabilities() -> None:
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(5003, generator=g) * 3  # an odd length: every tail of the blocks is taken
+    x[torch.randperm(5003, generator=g)[:2000]] = float("-inf")
+    u = torch.rand(400, generator=g).tolist() + [0.0]
+    tokens, closed = _draw(x, u)
+    assert bool(closed.all())
+    checked = 0
+    for t, ui in zip(tokens.tolist(), u):
+        want = _inverse_cdf64(x, ui)
+        if want is not None:
+            assert t == want
+            checked += 1
+    assert checked > 350
+
+
+def test_draw_never_gives_a_token_without_weight() -> None:
+    """-inf (a mask) and logits more than 87 below the row's largest are never drawn, whatever
+    the uniform; a row's only finite token always is."""
+    x = torch.full((300,), float("-inf"))
+    x[[3, 150, 299]] = torch.tensor([0.0, -1.0, -200.0])
+    u = [0.0, 0.5, 0.999, 1.0 - 2.0 ** -24]
+    tokens, _ = _draw(x, u)
+    assert set(tokens.tolist()) <= {3, 150}
+    assert tokens[-1] == 150  # the last uniform lands on the last token of any weight
+    lone = torch.full((40,), float("-inf"))
+    lone[17] = 5.0
+    assert _draw(lone, u)[0].tolist() == [17] * 4
+
+
+@pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (40, 0.95), (5000, 0.7), (1, 1.0), (63, 0.99)])
+def test_draw_inside_a_window_follows_the_sorted_set(top_k: int, top_p: float) -> None:
+    g = torch.Generator().manual_seed(top_k)
+    x = torch.randn(5000, generator=g) * 4  # peaked: each set lies within the first window
+    sorted_x, order = x.sort(descending=True)
+    probs = (sorted_x.double() - sorted_x[0]).exp()
+    probs /= probs.sum()
+    inside = ((torch.arange(5000) < top_k) & ((probs.cumsum(0) - probs) < top_p))
+    inside[0] = True
+    assert int(inside.sum()) < 64
+    kept = probs * inside
+    cdf = kept.cumsum(0) / kept.sum()
+    u = torch.rand(300, generator=g)
+    tokens, closed = _draw(x, u.tolist(), top_k, top_p)
+    assert bool(closed.all())
+    for t, ui in zip(tokens.tolist(), u.tolist()):
+        if (cdf - ui).abs().min() > 1e-5:
+            assert t == int(order[int(torch.searchsorted(cdf, torch.tensor([ui], dtype=torch.float64),
+                                                         right=True))])
+    assert set(tokens.tolist()) <= set(order[inside].tolist())
+
+
+def test_draw_reports_sets_that_reach_past_their_window() -> None:
+    flat = torch.randn(5000, generator=torch.Generator().manual_seed(1)) * 0.1
+    _, closed = _draw(flat, [0.5], top_p=0.9)  # hundreds of tokens: past the 64 of the window
+    assert closed.tolist() == [False]
+    _, closed = _draw(flat, [0.5], top_k=300)  # a window wider than the kernel takes
+    assert closed.tolist() == [False]
+    _, closed = _draw(flat, [0.5], top_k=200)  # top_k alone closes at its rank
+    assert closed.tolist() == [True]
+    assert not kernels.supports_draw(flat.unsqueeze(0).bfloat16())

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from replicas import sampler
+from replicas import kernels, sampler
 from replicas.request import SamplingParams, Sequence
 from replicas.sampler import sample
 
@@ -24,13 +24,24 @@ def _seqs(n: int, temperature: float = 1.0, seeds: list[int | None] | None = Non
     return seqs
 
 
+@pytest.fixture(params=["native", "torch"])
+def draw_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The draw as CPUs with the native kernels take it (kernels.draw) and as torch does (GPUs,
+    or a machine without a compiler)."""
+    if request.param == "native" and not kernels.supports_draw(torch.zeros(1, 4)):
+        pytest.skip("no native kernels on this machine")
+    if request.param == "torch":
+        monkeypatch.setattr(kernels, "supports_draw", lambda x: False)
+    return request.param
+
+
 def _logits(rows: int, probs: dict[int, float], vocab: int = 300) -> torch.Tensor:
     logits = torch.full((rows, vocab), float("-inf"))
     logits[:, list(probs)] = torch.tensor(list(probs.values())).log()
     return logits
 
 
-def test_frequencies_follow_the_tempered_probabilities() -> None:
+def test_frequencies_follow_the_tempered_probabilities(draw_path: str) -> None:
     torch.manual_seed(0)
     rows = 20000
     for temperature, expected in ((1.0, [0.5, 0.3, 0.2]), (0.5, [0.25 / 0.38, 0.09 / 0.38,
@@ -43,7 +54,7 @@ def test_frequencies_follow_the_tempered_probabilities() -> None:
                                    rtol=0)
 
 
-def test_a_seed_draws_the_same_token_whatever_shares_the_batch() -> None:
+def test_a_seed_draws_the_same_token_whatever_shares_the_batch(draw_path: str) -> None:
     logits = torch.randn(1, 5000, generator=torch.Generator().manual_seed(1))
     alone = [sample(logits.clone(), _seqs(1, seeds=[s]), frozenset()).token_ids[0]
              for s in range(20)]
@@ -190,7 +201,8 @@ def _wide(rows: int, vocab: int = 300) -> torch.Tensor:
 @pytest.mark.parametrize("rejections", [16, 0])  # 0: every row's set built exactly instead
 @pytest.mark.parametrize(("top_k", "top_p"), [(0, 0.9), (150, 0.95), (250, 1.0)])
 def test_wide_top_k_top_p_sets_are_drawn_with_their_renormalised_probabilities(
-        monkeypatch: pytest.MonkeyPatch, rejections: int, top_k: int, top_p: float) -> None:
+        monkeypatch: pytest.MonkeyPatch, draw_path: str, rejections: int, top_k: int,
+        top_p: float) -> None:
     monkeypatch.setattr(sampler, "MAX_REJECTIONS", rejections)
     torch.manual_seed(3)
     rows, vocab = 20000, 300
@@ -206,7 +218,7 @@ def test_wide_top_k_top_p_sets_are_drawn_with_their_renormalised_probabilities(
     torch.testing.assert_close(freq, want, atol=0.006, rtol=0)
 
 
-def test_a_seed_draws_the_same_token_through_rejections() -> None:
+def test_a_seed_draws_the_same_token_through_rejections(draw_path: str) -> None:
     logits = _wide(1)
     params = SamplingParams(max_tokens=4, top_p=0.8, seed=1)
 
@@ -227,7 +239,7 @@ def test_a_seed_draws_the_same_token_through_rejections() -> None:
                                               (3, 0.96, {7: 0.5 / 0.95, 8: 0.3 / 0.95,
                                                          299: 0.15 / 0.95})])
 def test_a_set_inside_the_window_is_drawn_with_its_renormalised_probabilities(
-        top_k: int, top_p: float, want: dict[int, float]) -> None:
+        draw_path: str, top_k: int, top_p: float, want: dict[int, float]) -> None:
     torch.manual_seed(4)
     rows = 20000
     # the rest of the mass spread thin over the other 297 tokens
@@ -242,7 +254,7 @@ def test_a_set_inside_the_window_is_drawn_with_its_renormalised_probabilities(
                                rtol=0)
 
 
-def test_a_seed_draws_the_same_token_inside_its_window_whatever_shares_the_batch() -> None:
+def test_a_seed_draws_the_same_token_inside_its_window_whatever_shares_the_batch(draw_path: str) -> None:
     logits = torch.randn(1, 5000, generator=torch.Generator().manual_seed(2)) * 3
     params = SamplingParams(max_tokens=4, top_p=0.9, temperature=0.7)
 

@@ -1,0 +1,205 @@
+/* The sampler's kernels (replicas/sampler.py) on CPUs: the k largest logits of each row, and one
+   token a row drawn from its logits.
+
+   Top-k (`_window`'s window): torch's CPU topk over a 49,152-token vocabulary took ~55-110 us a
+   row (2.2 ms for 32 rows at k = 64, on 2 cores); one pass that keeps a heap of the k best and
+   skips every block of 16 logits whose largest is no better than the heap's least (nearly all
+   of them once the heap holds the row's top) reads the row once at the speed of a max.
+
+   Order: descending; equal values the lower index first. NaN is not ordered here (torch puts it
+   first); logits the sampler sees are finite or -inf.
+
+   Built by replicas/kernels/__init__.py together with the other kernels. */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "dtype.h"
+
+#define TOPK_BLOCK 16
+
+/* a ranks below b: smaller, or equal and later */
+static inline int below(float av, int64_t ai, float bv, int64_t bi) {
+    return av < bv || (av == bv && ai > bi);
+}
+
+/* restores the min-heap (the lowest-ranked at 0) of `size` from position i down */
+static void sift_down(float *v, int64_t *ix, int64_t i, int64_t size) {
+    for (;;) {
+        int64_t low = i;
+        const int64_t l = 2 * i + 1, r = l + 1;
+        if (l < size && below(v[l], ix[l], v[low], ix[low])) low = l;
+        if (r < size && below(v[r], ix[r], v[low], ix[low])) low = r;
+        if (low == i) return;
+        const float tv = v[i];
+        const int64_t ti = ix[i];
+        v[i] = v[low], ix[i] = ix[low];
+        v[low] = tv, ix[low] = ti;
+        i = low;
+    }
+}
+
+static void row_topk(const float *x, int64_t n, int64_t k, float *v, int64_t *ix) {
+    for (int64_t i = 0; i < k; i++) v[i] = x[i], ix[i] = i;
+    for (int64_t i = k / 2 - 1; i >= 0; i--) sift_down(v, ix, i, k);
+    /* a later logit equal to the least kept ranks below it (its index is higher): only a
+       strictly larger one enters */
+    int64_t i = k;
+    for (; i < n && i % TOPK_BLOCK; i++)
+        if (x[i] > v[0]) v[0] = x[i], ix[0] = i, sift_down(v, ix, 0, k);
+    for (; i + TOPK_BLOCK <= n; i += TOPK_BLOCK) {
+        float best = x[i];
+        for (int j = 1; j < TOPK_BLOCK; j++) best = x[i + j] > best ? x[i + j] : best;
+        if (!(best > v[0])) continue;
+        for (int j = 0; j < TOPK_BLOCK; j++)
+            if (x[i + j] > v[0]) v[0] = x[i + j], ix[0] = i + j, sift_down(v, ix, 0, k);
+    }
+    for (; i < n; i++)
+        if (x[i] > v[0]) v[0] = x[i], ix[0] = i, sift_down(v, ix, 0, k);
+    /* heapsort: each lowest-ranked to the back, so the row ends best first */
+    for (int64_t end = k - 1; end > 0; end--) {
+        const float tv = v[0];
+        const int64_t ti = ix[0];
+        v[0] = v[end], ix[0] = ix[end];
+        v[end] = tv, ix[end] = ti;
+        sift_down(v, ix, 0, end);
+    }
+}
+
+/* x [rows, n] float32; values [rows, k] float32, indices [rows, k] int64; 0 < k <= n. */
+int topk_f32(const void *x, int64_t rows, int64_t n, int64_t k, void *values, void *indices,
+             int num_threads) {
+    const float *xs = x;
+    float *vs = values;
+    int64_t *is = indices;
+    if (k <= 0 || k > n) return 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows > 1)
+    for (int64_t r = 0; r < rows; r++) row_topk(xs + r * n, n, k, vs + r * k, is + r * k);
+    return 0;
+}
+
+/* ---- the draw ------------------------------------------------------------------------------------
+   One token a row by inverse transform (`_draw`'s, one uniform a row against the running sum of
+   the row's probabilities), every row on its own: a row with top-k or top-p draws inside the
+   window of its largest max(64, top_k + 1) logits where its set closes there, in the window's
+   order, else it is reported (`closed` 0) and the caller draws it by rejection; a row with
+   neither draws over the whole row. In torch that is ~15 tensor operations a step (max, softmax, the
+   window's gathers, running sums, searches), ~0.4 ms for one row of a 49,152-token vocabulary
+   against ~50 us here. Probabilities are e^(x - max) / sum; a logit more than 87 below the row's
+   largest (e^-87 ~ 1e-38 of its mass) gets none, and a token of none is never drawn. */
+
+#define DRAW_FIRST 64  /* the window's least width (the sampler's FIRST_CANDIDATES) */
+#define WINDOW_MAX 256 /* and its widest (kernels.TOPK_MAX): wider, the row is reported */
+#define DRAW_BLOCK 16
+
+/* e^d for d <= 0, 0 below -87 (exp_approx's polynomial): written so that GCC vectorizes it in
+   these loops (exp_approx's union and rounding branch kept them scalar: 6x slower) */
+KERNEL_INLINE float weight(float d) {
+    const float c = fmaxf(d, -87.0f), fn = __builtin_rintf(c * 1.44269504088896341f);
+    const float r = (c - fn * 0.693359375f) + fn * 2.12194440e-4f;
+    const float p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (
+        1.0f / 120 + r * (1.0f / 720))))));
+    const int32_t bits = ((int32_t)fn + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return d >= -87.0f ? p * scale : 0.0f;
+}
+
+static float row_max(const float *x, int64_t n) {
+    float m = x[0];
+#pragma omp simd reduction(max : m)
+    for (int64_t i = 0; i < n; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+static float row_mass(const float *x, int64_t n, float m) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < n; i++) s += weight(x[i] - m);
+    return s;
+}
+
+/* The first token whose running sum of weights passes target: blocks whose sum does not reach
+   it are passed whole. Summed in another order than row_mass, so a target within rounding of
+   the total can be passed by none: then the last token of any weight. */
+static int64_t row_search(const float *x, int64_t n, float m, float target) {
+    float run = 0.0f;
+    int64_t i = 0, last = -1, last_block = -1;
+    for (; i + DRAW_BLOCK <= n; i += DRAW_BLOCK) {
+        float b = 0.0f;
+#pragma omp simd reduction(+ : b)
+        for (int j = 0; j < DRAW_BLOCK; j++) b += weight(x[i + j] - m);
+        if (run + b > target) break;
+        if (b > 0.0f) run += b, last_block = i;
+    }
+    for (; i < n; i++) {
+        const float w = weight(x[i] - m);
+        if (w > 0.0f) {
+            run += w, last = i;
+            if (run > target) return i;
+        }
+    }
+    if (last < 0 && last_block >= 0)
+        for (int64_t j = last_block + DRAW_BLOCK - 1; j >= last_block && last < 0; j--)
+            if (weight(x[j] - m) > 0.0f) last = j;
+    return last < 0 ? 0 : last;
+}
+
+/* A row with top-k / top-p: 1 and its token where its set closes inside its window, else 0. */
+static int row_window(const float *x, int64_t n, int64_t top_k, float top_p, float u, float m,
+                      float mass, int64_t *token) {
+    int64_t w = top_k < n ? top_k + 1 : 0;
+    w = w > DRAW_FIRST ? w : DRAW_FIRST;
+    w = w < n ? w : n;
+    if (w > WINDOW_MAX) return 0;
+    float v[WINDOW_MAX], p[WINDOW_MAX];
+    int64_t ix[WINDOW_MAX];
+    row_topk(x, n, w, v, ix);
+    /* the set: ranks below top_k whose more likely tokens hold less than top_p (at least one) */
+    int64_t c = 0;
+    float before = 0.0f;
+    for (; c < w; c++) {
+        if (c >= top_k || (c > 0 && before >= top_p)) break;
+        p[c] = weight(v[c] - m) / mass;
+        before += p[c];
+    }
+    if (c == w && w < n) return 0; /* the set may reach past the window */
+    float total = 0.0f;
+    for (int64_t j = 0; j < c; j++) total += p[j];
+    const float target = u * total;
+    float run = 0.0f;
+    int64_t pick = 0;
+    for (int64_t j = 0; j < c; j++) {
+        if (p[j] > 0.0f) {
+            run += p[j], pick = j;
+            if (run > target) break;
+        }
+    }
+    *token = ix[pick];
+    return 1;
+}
+
+/* x [rows, n] float32 (the tempered logits); top_k [rows] (n or more: none), top_p [rows] (1:
+   none), u [rows] uniforms in [0, 1); tokens [rows] int64 out, closed [rows] uint8 out (0: the
+   row's set reaches past its window, its token is not drawn). */
+int draw_f32(const void *x, int64_t rows, int64_t n, const void *top_k, const void *top_p,
+             const void *u, void *tokens, void *closed, int num_threads) {
+    const float *xs = x, *ps = top_p, *us = u;
+    const int64_t *ks = top_k;
+    int64_t *ts = tokens;
+    uint8_t *cs = closed;
+    if (n <= 0) return 1;
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (rows > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = xs + r * n;
+        const float m = row_max(row, n), mass = row_mass(row, n, m);
+        cs[r] = 1;
+        if (ks[r] < n || ps[r] < 1.0f)
+            cs[r] = (uint8_t)row_window(row, n, ks[r], ps[r], us[r], m, mass, ts + r);
+        else
+            ts[r] = row_search(row, n, m, us[r] * mass);
+        if (!cs[r]) ts[r] = 0;
+    }
+    return 0;
+}
