@@ -33,9 +33,9 @@
      block sums by d and add m sum(x) in float32: the weights stay exact, only x is rounded
      (~0.4% of a product), and a 135M model's greedy answers stay transformers' ("The capital of
      France is Paris."). 1.4-1.7x the float32 tiles at 48-512 rows on Zen 4 (~300 GFLOP/s of the
-     ~450 the instruction peaks at); calls of 1-4 rows make the quants bfloat16 in registers
-     instead (q4_pairs_tile: 2.2-2.4x the float32 tiles' speed from L2), and the rows between
-     run the float32 tiles over the rounded x;
+     ~450 the instruction peaks at); calls of up to MIXED_ROWS rows (decode of a few streams)
+     make the quants bfloat16 in registers instead (q4_pairs_tile: from L2 2.2-2.4x the float32
+     tiles' speed at one row, 1.5-1.9x at 6-8);
    - int8 (AVX2 and AVX-512 builds): as llama.cpp does, each row's block of 32 activations
      becomes int8 with a float scale (dx = max|x| / 127) and the block's products are integer dot
      products (vpdpbusd with VNNI, else vpmaddubsw + vpmaddwd): sum(x w) ~ d dx sum(qx q) +
@@ -689,8 +689,9 @@ static void q4_pairs_panel(const uint32_t *xp, const float *xsum, const uint8_t 
     if (m < M) q4_pairs_tile(xp, xsum, panel, bias, y, N, K, m, n0, 1);
 }
 
-/* 4-bit weights times x rounded to bfloat16 for calls of at most HOIST_ROWS rows; nonzero
-   where its buffer could not be allocated (the float32 tiles run then) */
+/* 4-bit weights times x rounded to bfloat16 for calls of at most MIXED_ROWS rows (past them
+   the unpacked chunks of bf16_panel are as fast); nonzero where its buffer could not be
+   allocated (the float32 tiles run then) */
 static int linear_q4_pairs(const float *x, const uint8_t *ws, const float *bias, float *y,
                            int64_t M, int64_t N, int64_t K, int num_threads) {
     const int64_t blocks = K / QK, panels = (N + P - 1) / P;
@@ -793,11 +794,15 @@ int linear_q(const void *x, const void *w, const void *bias, void *y, int64_t M,
         return 0;
 #endif
     const int64_t panels = (N + P - 1) / P, panel_size = K / QK * record_bytes(h.qtype);
-    /* bfloat16 activations: every 4-bit path multiplies x rounded to bfloat16, the dot-product
-       tiles (calls of more than MIXED_ROWS rows) its bfloat16 copy xb with each row's block sums
-       xsum (calls of at most HOIST_ROWS rows round x as they scale it, below); without memory
-       for them, float32 x */
+    /* bfloat16 activations: every 4-bit path multiplies x rounded to bfloat16: up to
+       MIXED_ROWS rows in bfloat16 pairs (linear_q4_pairs), more in the dot-product tiles over
+       its bfloat16 copy xb with each row's block sums xsum; without memory for them, the float32
+       tiles over the rounded x (or, up to HOIST_ROWS rows, rounded as it is scaled, below) */
     const int round_x = h.qtype == Q4 && act_mode == ACT_BF16;
+#if BF_DOT
+    if (round_x && M <= MIXED_ROWS && !linear_q4_pairs(xs, ws, bs, ys, M, N, K, num_threads))
+        return 0;
+#endif
     float *xround = NULL, *xsum = NULL;
     uint16_t *xb = NULL;
     if (round_x && M > HOIST_ROWS) {
@@ -844,8 +849,6 @@ int linear_q(const void *x, const void *w, const void *bias, void *y, int64_t M,
         }
         xsum = NULL;  /* no workspace: the float32 tiles over the rounded x */
     }
-    if (round_x && M <= HOIST_ROWS && !linear_q4_pairs(xs, ws, bs, ys, M, N, K, num_threads))
-        return 0;
 #endif
     /* few rows of 4-bit weights: x scaled per position and its block sums (hoisted_tile) */
     float *xscaled = NULL;
