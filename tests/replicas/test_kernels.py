@@ -467,8 +467,8 @@ def test_draw_inside_a_window_follows_the_sorted_set(top_k: int, top_p: float) -
     assert bool(closed.all())
     for t, ui in zip(tokens.tolist(), u.tolist()):
         if (cdf - ui).abs().min() > 1e-5:
-            assert t == int(order[int(torch.searchsorted(cdf, torch.tensor([ui], dtype=torch.float64),
-                                                         right=True))])
+            rank = int(torch.searchsorted(cdf, torch.tensor([ui], dtype=torch.float64), right=True))
+            assert t == int(order[rank])
     assert set(tokens.tolist()) <= set(order[inside].tolist())
 
 

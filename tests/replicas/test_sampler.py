@@ -254,7 +254,8 @@ def test_a_set_inside_the_window_is_drawn_with_its_renormalised_probabilities(
                                rtol=0)
 
 
-def test_a_seed_draws_the_same_token_inside_its_window_whatever_shares_the_batch(draw_path: str) -> None:
+def test_a_seed_draws_the_same_token_inside_its_window_whatever_shares_the_batch(
+        draw_path: str) -> None:
     logits = torch.randn(1, 5000, generator=torch.Generator().manual_seed(2)) * 3
     params = SamplingParams(max_tokens=4, top_p=0.9, temperature=0.7)
 
