@@ -371,7 +371,8 @@ def _packed_linear(name: str, x: torch.Tensor, packed: torch.Tensor, out_feature
     return out.view(*x.shape[:-1], out_features), failed
 
 
-# what 4-bit weights multiply in linear_q, by the C side's number (quant_linear.c)
+# what 4-bit weights (and, but in int8, 8-bit ones) multiply in linear_q, by the C side's
+# number (quant_linear.c)
 QUANT_ACTIVATIONS = ("float32", "bfloat16", "int8")
 QUANT_ACTIVATIONS_ENV = "SHARDSERVE_QUANT_ACTIVATIONS"
 
@@ -389,12 +390,13 @@ def _set_quant_activations(lib: ctypes.CDLL) -> None:
     mode = lib.linear_q_set_activations(QUANT_ACTIVATIONS.index(
         "bfloat16" if asked == "auto" else asked))
     if asked not in ("auto", QUANT_ACTIVATIONS[mode]):
-        logger.warning("%s=%s: not on this CPU's kernels; 4-bit weights take float32 "
+        logger.warning("%s=%s: not on this CPU's kernels; quantized weights take float32 "
                        "activations", QUANT_ACTIVATIONS_ENV, asked)
 
 
 def quant_activations() -> str | None:
-    """What 4-bit weights multiply in `linear_q` (QUANT_ACTIVATIONS), None without kernels."""
+    """What 4-bit weights (and, but in int8, 8-bit ones) multiply in `linear_q`
+    (QUANT_ACTIVATIONS), None without kernels."""
     lib = load()
     return QUANT_ACTIVATIONS[lib.linear_q_activations()] if lib is not None else None
 

@@ -19,11 +19,12 @@
    the integer dot-product instructions (AVX512-VNNI's vpdpbusd: four u8 x s8 products summed
    into each 32-bit lane; AVX2's vpmaddubsw + vpmaddwd).
 
-   What 4-bit weights multiply is a mode (linear_q_set_activations; SHARDSERVE_QUANT_ACTIVATIONS
-   from Python), the same for every call, so a row's result does not depend on the rows beside it:
-   - float32 (every build; 8-bit weights always): weights unpacked (mask or shift, convert, one
-     FMA with d and m) and multiplied in float32 tiles, a panel unpacked once per 48-row block
-     where a block has more rows than a tile; 4-bit calls of 1-4 rows (1-2 on 16-register ISAs)
+   What 4- and 8-bit weights multiply is a mode (linear_q_set_activations;
+   SHARDSERVE_QUANT_ACTIVATIONS from Python), the same for every call, so a row's result does not
+   depend on the rows beside it (6-bit weights always take float32):
+   - float32 (every build; 8-bit weights in the int8 mode too): weights unpacked (mask or
+     shift, convert, one FMA with d and m) and multiplied in float32 tiles, a panel unpacked
+     once per 48-row block where a block has more rows than a tile; 4-bit calls of 1-4 rows (1-2 on 16-register ISAs)
      take d and m out of the loop and mask nibbles in place (hoisted_tile): 1.15-1.36x faster
      per call; 8-bit ones take d out of the loop (hoisted_tile): a Q8_0 LM head of
      49,152 x 576 at one row 1.40x;
@@ -34,8 +35,10 @@
      (~0.4% of a product), and a 135M model's greedy answers stay transformers' ("The capital of
      France is Paris."). 1.4-1.7x the float32 tiles at 48-512 rows on Zen 4 (~300 GFLOP/s of the
      ~450 the instruction peaks at); calls of up to MIXED_ROWS rows (decode of a few streams)
-     make the quants bfloat16 in registers instead (q4_pairs_tile: from L2 2.2-2.4x the float32
-     tiles' speed at one row, 1.5-1.9x at 6-8);
+     make the quants bfloat16 in registers instead (pairs_tile: from L2 2.2-2.4x the float32
+     tiles' speed at one row, 1.5-1.9x at 6-8). 8-bit weights the same ways (integers -128..127,
+     exact in bfloat16; pairs_tile up to Q8_PAIR_ROWS rows): the default model's Q8_0 LM head
+     (49,152 x 576) at 32 rows 11.5 -> 7.5-8.2 ms, at one row 0.89 -> 0.55-0.72;
    - int8 (AVX2 and AVX-512 builds): as llama.cpp does, each row's block of 32 activations
      becomes int8 with a float scale (dx = max|x| / 127) and the block's products are integer dot
      products (vpdpbusd with VNNI, else vpmaddubsw + vpmaddwd): sum(x w) ~ d dx sum(qx q) +
@@ -76,9 +79,14 @@ enum { Q4 = 0, Q8 = 1, Q6 = 2 };
 #else
 #define BF_DOT 0
 #endif
-/* what 4-bit weights multiply (linear_q_set_activations; every call alike, so a row's result
-   does not depend on the rows beside it): float32 x; x rounded to bfloat16; or x as 8-bit
-   blocks (llama.cpp's arithmetic) */
+/* 8-bit weights take twice the dot products a weight: past this many rows the unpacked chunks
+   (bf16_panel) are faster (3072 x 576 from L2, Zen 4: 2 rows 57-61 against 87 us, 4 rows
+   even, 8 rows 188 against 170) */
+#define Q8_PAIR_ROWS 4
+
+/* what 4-bit (and but for int8 8-bit) weights multiply (linear_q_set_activations; every call
+   alike, so a row's result does not depend on the rows beside it): float32 x; x rounded to
+   bfloat16; or x as 8-bit blocks (llama.cpp's arithmetic) */
 enum { ACT_F32 = 0, ACT_BF16 = 1, ACT_INT8 = 2 };
 static int act_mode = ACT_F32;
 
@@ -536,7 +544,26 @@ static int linear_dot(const float *x, const uint8_t *ws, const float *bias, floa
    out[((b - b0) * 16 + p) * 2 P + 2 o + j] is output o's quant 2p + j of block b, an integer
    0..15, exact in bfloat16. d and m stay in the panel's records and scale each block's sums in
    float32, so the weights are exact and only x is rounded. */
-static void unpack_bf16(const uint8_t *panel, uint16_t *out, int64_t b0, int64_t b1) {
+static void unpack_bf16(int qtype, const uint8_t *panel, uint16_t *out, int64_t b0,
+                        int64_t b1) {
+    if (qtype == Q8) { /* quant 4g + i at byte i of group g, -128..127: exact in bfloat16 */
+        const int64_t rec = record_bytes(Q8);
+        for (int64_t b = b0; b < b1; b++) {
+            const uint8_t *qs = panel + b * rec + 2 * P;
+            uint16_t *ob = out + (b - b0) * (QK / 2) * 2 * P;
+            for (int g = 0; g < 8; g++)
+                for (int h = 0; h < 2; h++) {
+                    const vi v = quads(qs + 4 * P * g + 4 * LANES * h);
+                    for (int j = 0; j < 2; j++) {  /* the pairs (4g, 4g + 1), (4g + 2, 4g + 3) */
+                        const vu a = (vu)__builtin_convertvector((v << (24 - 16 * j)) >> 24, vf);
+                        const vu c = (vu)__builtin_convertvector((v << (16 - 16 * j)) >> 24, vf);
+                        const vu pair = (a >> 16) | (c & 0xffff0000u);
+                        memcpy(ob + (2 * g + j) * 2 * P + 2 * LANES * h, &pair, sizeof pair);
+                    }
+                }
+        }
+        return;
+    }
     const int64_t rec = record_bytes(Q4);
     const vi low = (vi){0} + 0xff, nib = (vi){0} + 0x0f0f0f0f;
     for (int64_t b = b0; b < b1; b++) {
@@ -564,9 +591,10 @@ static void unpack_bf16(const uint8_t *panel, uint16_t *out, int64_t b0, int64_t
 /* Rows m0 .. m0+MT over blocks b0 .. b1: each block's 16 pairs into block sums s (vdpbf16ps),
    then acc += d s + m sum(x) in float32; acc starts from y's partial sums after the first
    chunk, and the bias joins at the last */
-KERNEL_INLINE void bf16_tile(const uint16_t *xb, const float *xsum, const uint16_t *qw,
-                             const uint8_t *panel, const float *bias, float *y, int64_t N,
-                             int64_t K, int64_t b0, int64_t b1, int64_t m0, int64_t n0, int MT) {
+KERNEL_INLINE void bf16_tile(int qtype, const uint16_t *xb, const float *xsum,
+                             const uint16_t *qw, const uint8_t *panel, const float *bias,
+                             float *y, int64_t N, int64_t K, int64_t b0, int64_t b1, int64_t m0,
+                             int64_t n0, int MT) {
     vf acc[8][2]; /* room for any tail (TAIL_TILES); only MT of them are used */
     const uint16_t *xr[8];
     const float *sr[8];
@@ -576,7 +604,7 @@ KERNEL_INLINE void bf16_tile(const uint16_t *xb, const float *xsum, const uint16
         sr[i] = xsum + (m0 + i) * (K / QK);
     }
     if (b0 > 0) load_rows(acc, y, N, m0, n0, MT);
-    const int64_t rec = record_bytes(Q4);
+    const int64_t rec = record_bytes(qtype);
     for (int64_t b = b0; b < b1; b++) {
         __m512 s[8][2];
         for (int i = 0; i < MT; i++) s[i][0] = s[i][1] = _mm512_setzero_ps();
@@ -594,7 +622,9 @@ KERNEL_INLINE void bf16_tile(const uint16_t *xb, const float *xsum, const uint16
         }
         const uint8_t *r = panel + b * rec;
         const vf d0 = halves(r), d1 = halves(r + 2 * LANES);
-        const vf o0 = halves(r + 2 * P), o1 = halves(r + 2 * P + 2 * LANES);
+        /* 4-bit: + m sum(x); 8-bit weights have no offset */
+        const vf o0 = qtype == Q4 ? halves(r + 2 * P) : (vf){0};
+        const vf o1 = qtype == Q4 ? halves(r + 2 * P + 2 * LANES) : (vf){0};
         for (int i = 0; i < MT; i++) {
             acc[i][0] += d0 * (vf)s[i][0] + o0 * sr[i][b];
             acc[i][1] += d1 * (vf)s[i][1] + o1 * sr[i][b];
@@ -603,70 +633,83 @@ KERNEL_INLINE void bf16_tile(const uint16_t *xb, const float *xsum, const uint16
     store_rows(acc, b1 == K / QK ? bias : NULL, y, N, m0, n0, MT);
 }
 
-/* ---- a few rows: 4-bit quants made bfloat16 in registers, no unpacked copy ----------------
+/* ---- a few rows: quants made bfloat16 in registers, no unpacked copy ----------------------
    At decode sizes the quants are read once per call, so the tiles above (an unpacked copy per
-   chunk) and the float32 tiles (a mask, a convert and an FMA per weight and 16 outputs) spend
-   more on the unpacking than on the products: one stream's projections read ~19 GB/s of the
-   box's ~35. Here a 32-bit lane of a quads() load gives 4 vdpbf16ps operands, each two nibbles
-   (bytes 0 and 2, 1 and 3, at bit 0 and at bit 4) masked into the low bits of 16-bit halves and
-   ORed into 0x4300: bfloat16 128 + q, exact. So a pair of weights costs a shift (for 3 of the
-   4), an AND, an OR and half a dot product for 16 outputs; each block's sums carry 128 sum(x)
-   more, taken out with the offset: acc += d s + (m - 128 d) sum(x). The products are the
-   other bf16 paths' (x rounded, the weights exact), only the order of the float32 sums
-   differs. */
+   chunk) and the float32 tiles (per weight and 16 outputs a mask or two shifts, a convert and an
+   FMA) spend more on the unpacking than on the products: one stream's 4-bit projections read
+   ~19 GB/s of the box's ~35. Here a 32-bit lane of a quads() load gives 4 vdpbf16ps operands,
+   each two nibbles (bytes 0 and 2, 1 and 3; at bit 0 and at bit 4) masked into the low bits of
+   16-bit halves and ORed into 0x4300: bfloat16 128 + n, exact (one vpternlogd). A 4-bit weight
+   is its nibble q (weights 4g + i and 16 + 4g + i); an 8-bit one, its sign bit flipped, is
+   16 hi + lo - 128 (both nibbles of weight 4g + i), its high nibble's x taken 16 times (exact in
+   bfloat16). So a pair of weights costs a shift (for 3 of 4), one logic op and half (4-bit) or a
+   whole (8-bit) dot product for 16 outputs; each block's sums carry 128 sum(x) (4-bit) or
+   2304 sum(x) (8-bit) more, taken out with the offset: acc += d s + o sum(x), o = m - 128 d or
+   -2304 d. The products are the other bf16 paths' (x rounded, the weights exact), only the order
+   of the float32 sums differs. */
 
 #define PAIR_ROWS 2 /* rows per tile: 4 sums each per output vector, in registers */
-
 static void round_bf16(const float *x, int64_t n, float *xr, uint16_t *xb);
 
-/* x's bfloat16 pairs in the order q4_pairs_tile takes them: per row, block and g, (4g, 4g + 2),
-   (4g + 1, 4g + 3), (16 + 4g, 18 + 4g), (17 + 4g, 19 + 4g) */
-static void q4_pairs_of(const uint16_t *xb, int64_t K, uint32_t *xp) {
+/* quads per 32-weight block (4-bit: 4, each 8 weights; 8-bit: 8, each 4) and so x pairs */
+#define PAIR_GROUPS(QTYPE) ((QTYPE) == Q8 ? 8 : 4)
+
+/* x's bfloat16 pairs in the order pairs_tile takes them: per row, block and group g,
+   4-bit (4g, 4g + 2), (4g + 1, 4g + 3), (16 + 4g, 18 + 4g), (17 + 4g, 19 + 4g); 8-bit (4g,
+   4g + 2), (4g + 1, 4g + 3), then the same two times 16. xr: x rounded, as float32. */
+static void pairs_of(int qtype, const float *xr, int64_t K, uint32_t *xp) {
+    const int groups = PAIR_GROUPS(qtype);
     for (int64_t b = 0; b < K / QK; b++)
-        for (int g = 0; g < 4; g++) {
-            const uint16_t *xg = xb + b * QK + 4 * g;
-            uint32_t *o = xp + b * 16 + 4 * g;
-            o[0] = xg[0] | (uint32_t)xg[2] << 16;
-            o[1] = xg[1] | (uint32_t)xg[3] << 16;
-            o[2] = xg[16] | (uint32_t)xg[18] << 16;
-            o[3] = xg[17] | (uint32_t)xg[19] << 16;
+        for (int g = 0; g < groups; g++) {
+            const float *xg = xr + b * QK + 4 * g;
+            uint32_t *o = xp + (b * groups + g) * 4;
+            const int hi = qtype == Q8 ? 0 : 16;
+            const float scale = qtype == Q8 ? 16.0f : 1.0f;
+            o[0] = float_to_bf16(xg[0]) | (uint32_t)float_to_bf16(xg[2]) << 16;
+            o[1] = float_to_bf16(xg[1]) | (uint32_t)float_to_bf16(xg[3]) << 16;
+            o[2] = float_to_bf16(scale * xg[hi])
+                   | (uint32_t)float_to_bf16(scale * xg[hi + 2]) << 16;
+            o[3] = float_to_bf16(scale * xg[hi + 1])
+                   | (uint32_t)float_to_bf16(scale * xg[hi + 3]) << 16;
         }
 }
 
-/* the nibbles at bits 0 and 16 of each lane of v as bfloat16 128 + q */
-KERNEL_INLINE __m512bh q4_pair(__m512i v) {
+/* the nibbles at bits 0 and 16 of each lane of v as bfloat16 128 + n */
+KERNEL_INLINE __m512bh nibble_pair(__m512i v) {
     return (__m512bh)_mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi32(0x000f000f)),
                                      _mm512_set1_epi32(0x43004300));
 }
 
-KERNEL_INLINE void q4_pairs_tile(const uint32_t *xp, const float *xsum, const uint8_t *panel,
-                                 const float *bias, float *y, int64_t N, int64_t K, int64_t m0,
-                                 int64_t n0, int MT) {
+KERNEL_INLINE void pairs_tile(int qtype, const uint32_t *xp, const float *xsum,
+                              const uint8_t *panel, const float *bias, float *y, int64_t N,
+                              int64_t K, int64_t m0, int64_t n0, int MT) {
     vf acc[8][2];
     for (int i = 0; i < MT; i++) acc[i][0] = acc[i][1] = (vf){0};
-    const int64_t blocks = K / QK, rec = record_bytes(Q4);
+    const int groups = PAIR_GROUPS(qtype);
+    const int64_t blocks = K / QK, rec = record_bytes(qtype);
     for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *r = panel + b * rec, *qs = r + 4 * P;
+        const uint8_t *r = panel + b * rec, *qs = r + (qtype == Q8 ? 2 : 4) * P;
         __m512 s[PAIR_ROWS][2][4];
         for (int i = 0; i < MT; i++)
             for (int h = 0; h < 2; h++)
                 for (int c = 0; c < 4; c++) s[i][h][c] = _mm512_setzero_ps();
-        for (int g = 0; g < 4; g++)
+        for (int g = 0; g < groups; g++)
             for (int h = 0; h < 2; h++) {
-                const __m512i v = _mm512_loadu_si512(qs + 4 * P * g + 4 * LANES * h);
-                const __m512bh w[4] = {q4_pair(v), q4_pair(_mm512_srli_epi32(v, 8)),
-                                       q4_pair(_mm512_srli_epi32(v, 4)),
-                                       q4_pair(_mm512_srli_epi32(v, 12))};
+                __m512i v = _mm512_loadu_si512(qs + 4 * P * g + 4 * LANES * h);
+                if (qtype == Q8) v = _mm512_xor_si512(v, _mm512_set1_epi32((int)0x80808080u));
+                const __m512bh w[4] = {nibble_pair(v), nibble_pair(_mm512_srli_epi32(v, 8)),
+                                       nibble_pair(_mm512_srli_epi32(v, 4)),
+                                       nibble_pair(_mm512_srli_epi32(v, 12))};
                 for (int i = 0; i < MT; i++) {
-                    const uint32_t *xq = xp + ((m0 + i) * blocks + b) * 16 + 4 * g;
+                    const uint32_t *xq = xp + (((m0 + i) * blocks + b) * groups + g) * 4;
                     for (int c = 0; c < 4; c++)
                         s[i][h][c] = _mm512_dpbf16_ps(
                             s[i][h][c], (__m512bh)_mm512_set1_epi32((int)xq[c]), w[c]);
                 }
             }
         const vf d0 = halves(r), d1 = halves(r + 2 * LANES);
-        const vf o0 = halves(r + 2 * P) - 128.0f * d0;
-        const vf o1 = halves(r + 2 * P + 2 * LANES) - 128.0f * d1;
+        const vf o0 = qtype == Q8 ? d0 * -2304.0f : halves(r + 2 * P) - 128.0f * d0;
+        const vf o1 = qtype == Q8 ? d1 * -2304.0f : halves(r + 2 * P + 2 * LANES) - 128.0f * d1;
         for (int i = 0; i < MT; i++) {
             const float xs = xsum[(m0 + i) * blocks + b];
             const vf s0 = (vf)_mm512_add_ps(_mm512_add_ps(s[i][0][0], s[i][0][1]),
@@ -680,32 +723,38 @@ KERNEL_INLINE void q4_pairs_tile(const uint32_t *xp, const float *xsum, const ui
     store_rows(acc, bias, y, N, m0, n0, MT);
 }
 
-static void q4_pairs_panel(const uint32_t *xp, const float *xsum, const uint8_t *panel,
-                           const float *bias, float *y, int64_t M, int64_t N, int64_t K,
-                           int64_t n0) {
+static void pairs_panel(int qtype, const uint32_t *xp, const float *xsum, const uint8_t *panel,
+                        const float *bias, float *y, int64_t M, int64_t N, int64_t K,
+                        int64_t n0) {
     int64_t m = 0;
-    for (; m + PAIR_ROWS <= M; m += PAIR_ROWS)
-        q4_pairs_tile(xp, xsum, panel, bias, y, N, K, m, n0, PAIR_ROWS);
-    if (m < M) q4_pairs_tile(xp, xsum, panel, bias, y, N, K, m, n0, 1);
+#define PAIRS(QTYPE, ROWS) pairs_tile(QTYPE, xp, xsum, panel, bias, y, N, K, m, n0, ROWS)
+    if (qtype == Q8) {
+        for (; m + PAIR_ROWS <= M; m += PAIR_ROWS) PAIRS(Q8, PAIR_ROWS);
+        if (m < M) PAIRS(Q8, 1);
+    } else {
+        for (; m + PAIR_ROWS <= M; m += PAIR_ROWS) PAIRS(Q4, PAIR_ROWS);
+        if (m < M) PAIRS(Q4, 1);
+    }
+#undef PAIRS
 }
 
-/* 4-bit weights times x rounded to bfloat16 for calls of at most MIXED_ROWS rows (past them
-   the unpacked chunks of bf16_panel are as fast); nonzero where its buffer could not be
+/* 4- or 8-bit weights times x rounded to bfloat16 for calls of at most MIXED_ROWS rows (past
+   them the unpacked chunks of bf16_panel are as fast); nonzero where its buffer could not be
    allocated (the float32 tiles run then) */
-static int linear_q4_pairs(const float *x, const uint8_t *ws, const float *bias, float *y,
-                           int64_t M, int64_t N, int64_t K, int num_threads) {
+static int linear_pairs(int qtype, const float *x, const uint8_t *ws, const float *bias,
+                        float *y, int64_t M, int64_t N, int64_t K, int num_threads) {
     const int64_t blocks = K / QK, panels = (N + P - 1) / P;
-    const int64_t panel_size = blocks * record_bytes(Q4);
-    /* per row: x rounded (float32, then bfloat16), its pairs, its block sums */
-    float *xr = malloc((size_t)(M * K) * (sizeof(float) + 2 + 2)
+    const int64_t panel_size = blocks * record_bytes(qtype);
+    const int64_t pairs = blocks * PAIR_GROUPS(qtype) * 4; /* x pairs a row */
+    /* per row: x rounded (float32), its pairs, its block sums */
+    float *xr = malloc((size_t)(M * K) * sizeof(float) + (size_t)(M * pairs) * sizeof(uint32_t)
                        + (size_t)(M * blocks) * sizeof(float));
     if (xr == NULL) return 1;
-    uint16_t *xb = (uint16_t *)(xr + M * K);
-    uint32_t *xp = (uint32_t *)(xb + M * K);
-    float *xsum = (float *)(xp + M * K / 2);
+    uint32_t *xp = (uint32_t *)(xr + M * K);
+    float *xsum = (float *)(xp + M * pairs);
     for (int64_t m = 0; m < M; m++) {
-        round_bf16(x + m * K, K, xr + m * K, xb + m * K);
-        q4_pairs_of(xb + m * K, K, xp + m * K / 2);
+        round_bf16(x + m * K, K, xr + m * K, NULL);
+        pairs_of(qtype, xr + m * K, K, xp + m * pairs);
         for (int64_t b = 0; b < blocks; b++) {
             float t = 0;
             for (int j = 0; j < QK; j++) t += xr[m * K + b * QK + j];
@@ -716,7 +765,7 @@ static int linear_q4_pairs(const float *x, const uint8_t *ws, const float *bias,
     stolen_init(&stolen, panels, num_threads);
 #pragma omp parallel num_threads(num_threads)
     FOR_PANELS(t, panels, M, &stolen,
-               q4_pairs_panel(xp, xsum, ws + t * panel_size, bias, y, M, N, K, t * P))
+               pairs_panel(qtype, xp, xsum, ws + t * panel_size, bias, y, M, N, K, t * P))
     free(xr);
     return 0;
 }
@@ -724,15 +773,16 @@ static int linear_q4_pairs(const float *x, const uint8_t *ws, const float *bias,
 /* One panel against all M rows, a K chunk at a time: the chunk's quants unpacked once into qw
    (the unpacking is 1/M of the products) and kept in L1 while every row tile passes (a whole
    panel's, 96 KiB at K = 1536, streamed from L2 for each tile: 0.75x the float32 tiles) */
-static void bf16_panel(const uint16_t *xb, const float *xsum, uint16_t *qw, const uint8_t *panel,
-                       const float *bias, float *y, int64_t M, int64_t N, int64_t K, int64_t n0) {
+static void bf16_panel(int qtype, const uint16_t *xb, const float *xsum, uint16_t *qw,
+                       const uint8_t *panel, const float *bias, float *y, int64_t M, int64_t N,
+                       int64_t K, int64_t n0) {
     for (int64_t b0 = 0; b0 < K / QK; b0 += BF_CHUNK) {
         const int64_t b1 = b0 + BF_CHUNK < K / QK ? b0 + BF_CHUNK : K / QK;
-        unpack_bf16(panel, qw, b0, b1);
+        unpack_bf16(qtype, panel, qw, b0, b1);
         int64_t m = 0;
         for (; m + BF_MT <= M; m += BF_MT)
-            bf16_tile(xb, xsum, qw, panel, bias, y, N, K, b0, b1, m, n0, BF_MT);
-        TAIL_TILES(bf16_tile, M - m, xb, xsum, qw, panel, bias, y, N, K, b0, b1, m, n0)
+            bf16_tile(qtype, xb, xsum, qw, panel, bias, y, N, K, b0, b1, m, n0, BF_MT);
+        TAIL_TILES(bf16_tile, M - m, qtype, xb, xsum, qw, panel, bias, y, N, K, b0, b1, m, n0)
     }
 }
 #endif
@@ -798,15 +848,17 @@ int linear_q(const void *x, const void *w, const void *bias, void *y, int64_t M,
        MIXED_ROWS rows in bfloat16 pairs (linear_q4_pairs), more in the dot-product tiles over
        its bfloat16 copy xb with each row's block sums xsum; without memory for them, the float32
        tiles over the rounded x (or, up to HOIST_ROWS rows, rounded as it is scaled, below) */
-    const int round_x = h.qtype == Q4 && act_mode == ACT_BF16;
+    const int round_x = (h.qtype == Q4 || h.qtype == Q8) && act_mode == ACT_BF16;
+    const int64_t pair_rows = h.qtype == Q8 ? Q8_PAIR_ROWS : MIXED_ROWS;
 #if BF_DOT
-    if (round_x && M <= MIXED_ROWS && !linear_q4_pairs(xs, ws, bs, ys, M, N, K, num_threads))
+    if (round_x && M <= pair_rows && !linear_pairs(h.qtype, xs, ws, bs, ys, M, N, K,
+                                                   num_threads))
         return 0;
 #endif
     float *xround = NULL, *xsum = NULL;
     uint16_t *xb = NULL;
-    if (round_x && M > HOIST_ROWS) {
-        const int dots = BF_DOT && M > MIXED_ROWS;
+    if (round_x && (M > HOIST_ROWS || h.qtype == Q8)) {
+        const int dots = BF_DOT && M > pair_rows;
         xround = malloc((size_t)(M * K) * sizeof(float)
                         + (dots ? (size_t)(M * K / QK) * sizeof(float) + (size_t)(M * K) * 2 : 0));
         if (xround != NULL) {
@@ -838,7 +890,8 @@ int linear_q(const void *x, const void *w, const void *bias, void *y, int64_t M,
             uint16_t *qw = malloc((size_t)(BF_CHUNK * QK * P) * sizeof(uint16_t));
             if (qw != NULL) {
                 FOR_PANELS(t, panels, M, &stolen,
-                           bf16_panel(xb, xsum, qw, ws + t * panel_size, bs, ys, M, N, K, t * P))
+                           bf16_panel(h.qtype, xb, xsum, qw, ws + t * panel_size, bs, ys, M, N,
+                                      K, t * P))
             }
             failed = qw == NULL;
             free(qw);

@@ -35,8 +35,9 @@ def _cases(activations: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     from replicas import kernels, quant
     out = {}
     for fmt in (quant.Q4_0, quant.Q4_1, quant.Q8_0, quant.Q6):
-        if fmt in (quant.Q8_0, quant.Q6) and activations != "float32":
-            continue  # the modes are 4-bit weights' alone
+        if (fmt is quant.Q6 and activations != "float32"
+                or fmt is quant.Q8_0 and activations == "int8"):
+            continue  # 8-bit activations are 4-bit weights' alone; Q6 is float32's
         for n, k, rows, has_bias in SHAPES:
             g = torch.Generator().manual_seed(n * 1000 + k + fmt.ggml_type)
             if fmt is quant.Q6:  # every bit pattern of the quants, sane float16 scales
