@@ -24,10 +24,10 @@
    depend on the rows beside it (6-bit weights always take float32):
    - float32 (every build; 8-bit weights in the int8 mode too): weights unpacked (mask or
      shift, convert, one FMA with d and m) and multiplied in float32 tiles, a panel unpacked
-     once per 48-row block where a block has more rows than a tile; 4-bit calls of 1-4 rows (1-2 on 16-register ISAs)
-     take d and m out of the loop and mask nibbles in place (hoisted_tile): 1.15-1.36x faster
-     per call; 8-bit ones take d out of the loop (hoisted_tile): a Q8_0 LM head of
-     49,152 x 576 at one row 1.40x;
+     once per 48-row block where a block has more rows than a tile; 4-bit calls of 1-4 rows
+     (1-2 on 16-register ISAs) take d and m out of the loop and mask nibbles in place
+     (hoisted_tile): 1.15-1.36x faster per call; 8-bit ones take d out of the loop
+     (hoisted_tile): a Q8_0 LM head of 49,152 x 576 at one row 1.40x;
    - bfloat16 (AVX512-BF16 builds; their default): x rounded to bfloat16 once per call; calls of
      more than MIXED_ROWS rows unpack each panel's quants, a K chunk at a time, into bfloat16
      pairs (integers 0..15, exact) and sum each block's products with vdpbf16ps, then scale the
@@ -540,45 +540,32 @@ static int linear_dot(const float *x, const uint8_t *ws, const float *bias, floa
 
 #define BF_CHUNK 8 /* 32-weight blocks per K chunk: a chunk's quants are 16 KiB, L1-resident */
 
-/* Blocks b0 .. b1 of a panel's 4-bit quants as bfloat16 pairs for vdpbf16ps:
+/* Blocks b0 .. b1 of a panel's 4- or 8-bit quants as bfloat16 pairs for vdpbf16ps:
    out[((b - b0) * 16 + p) * 2 P + 2 o + j] is output o's quant 2p + j of block b, an integer
-   0..15, exact in bfloat16. d and m stay in the panel's records and scale each block's sums in
-   float32, so the weights are exact and only x is rounded. */
+   (0..15, or -128..127), exact in bfloat16. d and m stay in the panel's records and scale each
+   block's sums in float32, so the weights are exact and only x is rounded. */
 static void unpack_bf16(int qtype, const uint8_t *panel, uint16_t *out, int64_t b0,
                         int64_t b1) {
-    if (qtype == Q8) { /* quant 4g + i at byte i of group g, -128..127: exact in bfloat16 */
-        const int64_t rec = record_bytes(Q8);
-        for (int64_t b = b0; b < b1; b++) {
-            const uint8_t *qs = panel + b * rec + 2 * P;
-            uint16_t *ob = out + (b - b0) * (QK / 2) * 2 * P;
-            for (int g = 0; g < 8; g++)
-                for (int h = 0; h < 2; h++) {
-                    const vi v = quads(qs + 4 * P * g + 4 * LANES * h);
-                    for (int j = 0; j < 2; j++) {  /* the pairs (4g, 4g + 1), (4g + 2, 4g + 3) */
-                        const vu a = (vu)__builtin_convertvector((v << (24 - 16 * j)) >> 24, vf);
-                        const vu c = (vu)__builtin_convertvector((v << (16 - 16 * j)) >> 24, vf);
-                        const vu pair = (a >> 16) | (c & 0xffff0000u);
-                        memcpy(ob + (2 * g + j) * 2 * P + 2 * LANES * h, &pair, sizeof pair);
-                    }
-                }
-        }
-        return;
-    }
-    const int64_t rec = record_bytes(Q4);
+    const int q8 = qtype == Q8, groups = q8 ? 8 : 4, halves_ = q8 ? 1 : 2;
+    const int64_t rec = record_bytes(qtype);
     const vi low = (vi){0} + 0xff, nib = (vi){0} + 0x0f0f0f0f;
     for (int64_t b = b0; b < b1; b++) {
-        const uint8_t *qs = panel + b * rec + 4 * P;
+        const uint8_t *qs = panel + b * rec + (q8 ? 2 : 4) * P;
         uint16_t *ob = out + (b - b0) * (QK / 2) * 2 * P;
-        for (int g = 0; g < 4; g++)
+        for (int g = 0; g < groups; g++)
             for (int h = 0; h < 2; h++) {
                 const vi v = quads(qs + 4 * P * g + 4 * LANES * h);
-                for (int half = 0; half < 2; half++) {  /* quants 4g.., then 16 + 4g.. */
+                /* 4-bit: quants 4g.., then 16 + 4g.. (the high nibbles); 8-bit: 4g.. */
+                for (int half = 0; half < halves_; half++) {
                     const vi n = (v >> (4 * half)) & nib;
                     for (int j = 0; j < 2; j++) {  /* the pairs (4g, 4g + 1), (4g + 2, 4g + 3) */
+                        /* bytes 2j and 2j + 1 of each lane: 8-bit ones sign-extended */
+                        const vi lo = q8 ? (v << (24 - 16 * j)) >> 24 : (n >> (16 * j)) & low;
+                        const vi hi = q8 ? (v << (16 - 16 * j)) >> 24 : (n >> (16 * j + 8)) & low;
                         /* a small integer's float32 bits end in 16 zero bits: its bfloat16 is
                            the top half */
-                        const vu a = (vu)__builtin_convertvector((n >> (16 * j)) & low, vf);
-                        const vu c = (vu)__builtin_convertvector((n >> (16 * j + 8)) & low, vf);
+                        const vu a = (vu)__builtin_convertvector(lo, vf);
+                        const vu c = (vu)__builtin_convertvector(hi, vf);
                         const vu pair = (a >> 16) | (c & 0xffff0000u);
                         const int p = 8 * half + 2 * g + j;
                         memcpy(ob + p * 2 * P + 2 * LANES * h, &pair, sizeof pair);
