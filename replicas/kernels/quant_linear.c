@@ -84,9 +84,9 @@ enum { Q4 = 0, Q8 = 1, Q6 = 2 };
    even, 8 rows 188 against 170) */
 #define Q8_PAIR_ROWS 4
 
-/* what 4-bit (and but for int8 8-bit) weights multiply (linear_q_set_activations; every call
-   alike, so a row's result does not depend on the rows beside it): float32 x; x rounded to
-   bfloat16; or x as 8-bit blocks (llama.cpp's arithmetic) */
+/* what 4-bit weights (and, but in the int8 mode, 8-bit ones) multiply
+   (linear_q_set_activations; every call alike, so a row's result does not depend on the rows
+   beside it): float32 x; x rounded to bfloat16; or x as 8-bit blocks (llama.cpp's arithmetic) */
 enum { ACT_F32 = 0, ACT_BF16 = 1, ACT_INT8 = 2 };
 static int act_mode = ACT_F32;
 
@@ -725,9 +725,9 @@ static void pairs_panel(int qtype, const uint32_t *xp, const float *xsum, const 
 #undef PAIRS
 }
 
-/* 4- or 8-bit weights times x rounded to bfloat16 for calls of at most MIXED_ROWS rows (past
-   them the unpacked chunks of bf16_panel are as fast); nonzero where its buffer could not be
-   allocated (the float32 tiles run then) */
+/* 4- or 8-bit weights times x rounded to bfloat16 for calls of up to MIXED_ROWS (4-bit) or
+   Q8_PAIR_ROWS (8-bit) rows: past them the unpacked chunks of bf16_panel are as fast or faster.
+   Nonzero where its buffer could not be allocated (the float32 tiles run then). */
 static int linear_pairs(int qtype, const float *x, const uint8_t *ws, const float *bias,
                         float *y, int64_t M, int64_t N, int64_t K, int num_threads) {
     const int64_t blocks = K / QK, panels = (N + P - 1) / P;
@@ -831,10 +831,11 @@ int linear_q(const void *x, const void *w, const void *bias, void *y, int64_t M,
         return 0;
 #endif
     const int64_t panels = (N + P - 1) / P, panel_size = K / QK * record_bytes(h.qtype);
-    /* bfloat16 activations: every 4-bit path multiplies x rounded to bfloat16: up to
-       MIXED_ROWS rows in bfloat16 pairs (linear_q4_pairs), more in the dot-product tiles over
-       its bfloat16 copy xb with each row's block sums xsum; without memory for them, the float32
-       tiles over the rounded x (or, up to HOIST_ROWS rows, rounded as it is scaled, below) */
+    /* bfloat16 activations: every 4- and 8-bit path multiplies x rounded to bfloat16: up to
+       pair_rows rows in bfloat16 pairs (linear_pairs), more in the dot-product tiles over its
+       bfloat16 copy xb with each row's block sums xsum; without memory for them, the float32
+       tiles over the rounded x (4-bit calls of up to HOIST_ROWS rows round x as they scale it,
+       below) */
     const int round_x = (h.qtype == Q4 || h.qtype == Q8) && act_mode == ACT_BF16;
     const int64_t pair_rows = h.qtype == Q8 ? Q8_PAIR_ROWS : MIXED_ROWS;
 #if BF_DOT
