@@ -113,6 +113,9 @@ static int64_t record_bytes(uint32_t qtype) {
     return qtype == Q4 ? (int64_t)PANEL_MIXED * (4 + QK / 2) : (int64_t)PANEL_MIXED * (2 + QK);
 }
 
+/* where a record's quants start: after d (and m, or d_1) */
+static inline int64_t quants_at(uint32_t qtype) { return (qtype == Q8 ? 2 : 4) * PANEL_MIXED; }
+
 KERNEL_INLINE float half_to_float(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu,
                    mant = h & 0x3ffu;
@@ -535,6 +538,35 @@ static int linear_dot(const float *x, const uint8_t *ws, const float *bias, floa
 }
 #endif
 
+/* x rounded to bfloat16 (to nearest even), as float32 in xr and, for the dot products, as
+   bfloat16 in xb (NULL: not wanted) */
+static void round_bf16(const float *x, int64_t n, float *xr, uint16_t *xb) {
+    int64_t i = 0;
+#if BF_DOT
+    for (; i + 16 <= n; i += 16) {
+        const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i));
+        if (xb) _mm256_storeu_si256((void *)(xb + i), h);
+        _mm512_storeu_si512(xr + i, _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+#endif
+    for (; i < n; i++) {
+        const uint16_t h = float_to_bf16(x[i]);
+        xr[i] = bf16_to_float(h);
+        if (xb) xb[i] = h;
+    }
+}
+
+/* One row of x rounded (round_bf16) and, where sums is not NULL, the rounded row's sum over each
+   32-weight block (what a block's offset m multiplies) */
+static void round_row(const float *x, int64_t K, float *xr, uint16_t *xb, float *sums) {
+    round_bf16(x, K, xr, xb);
+    for (int64_t b = 0; sums != NULL && b < K / QK; b++) {
+        float t = 0;
+        for (int j = 0; j < QK; j++) t += xr[b * QK + j];
+        sums[b] = t;
+    }
+}
+
 /* ---- bfloat16 activations: AVX512-BF16 dot products over 4-bit weights ------------------- */
 #if BF_DOT
 
@@ -550,7 +582,7 @@ static void unpack_bf16(int qtype, const uint8_t *panel, uint16_t *out, int64_t 
     const int64_t rec = record_bytes(qtype);
     const vi low = (vi){0} + 0xff, nib = (vi){0} + 0x0f0f0f0f;
     for (int64_t b = b0; b < b1; b++) {
-        const uint8_t *qs = panel + b * rec + (q8 ? 2 : 4) * P;
+        const uint8_t *qs = panel + b * rec + quants_at(qtype);
         uint16_t *ob = out + (b - b0) * (QK / 2) * 2 * P;
         for (int g = 0; g < groups; g++)
             for (int h = 0; h < 2; h++) {
@@ -636,7 +668,6 @@ KERNEL_INLINE void bf16_tile(int qtype, const uint16_t *xb, const float *xsum,
    of the float32 sums differs. */
 
 #define PAIR_ROWS 2 /* rows per tile: 4 sums each per output vector, in registers */
-static void round_bf16(const float *x, int64_t n, float *xr, uint16_t *xb);
 
 /* quads per 32-weight block (4-bit: 4, each 8 weights; 8-bit: 8, each 4) and so x pairs */
 #define PAIR_GROUPS(QTYPE) ((QTYPE) == Q8 ? 8 : 4)
@@ -675,7 +706,7 @@ KERNEL_INLINE void pairs_tile(int qtype, const uint32_t *xp, const float *xsum,
     const int groups = PAIR_GROUPS(qtype);
     const int64_t blocks = K / QK, rec = record_bytes(qtype);
     for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *r = panel + b * rec, *qs = r + (qtype == Q8 ? 2 : 4) * P;
+        const uint8_t *r = panel + b * rec, *qs = r + quants_at(qtype);
         __m512 s[PAIR_ROWS][2][4];
         for (int i = 0; i < MT; i++)
             for (int h = 0; h < 2; h++)
@@ -740,13 +771,8 @@ static int linear_pairs(int qtype, const float *x, const uint8_t *ws, const floa
     uint32_t *xp = (uint32_t *)(xr + M * K);
     float *xsum = (float *)(xp + M * pairs);
     for (int64_t m = 0; m < M; m++) {
-        round_bf16(x + m * K, K, xr + m * K, NULL);
+        round_row(x + m * K, K, xr + m * K, NULL, xsum + m * blocks);
         pairs_of(qtype, xr + m * K, K, xp + m * pairs);
-        for (int64_t b = 0; b < blocks; b++) {
-            float t = 0;
-            for (int j = 0; j < QK; j++) t += xr[m * K + b * QK + j];
-            xsum[m * blocks + b] = t;
-        }
     }
     Stolen stolen;
     stolen_init(&stolen, panels, num_threads);
@@ -773,24 +799,6 @@ static void bf16_panel(int qtype, const uint16_t *xb, const float *xsum, uint16_
     }
 }
 #endif
-
-/* x rounded to bfloat16 (to nearest even), as float32 in xr and, for the dot products, as
-   bfloat16 in xb (NULL: not wanted) */
-static void round_bf16(const float *x, int64_t n, float *xr, uint16_t *xb) {
-    int64_t i = 0;
-#if BF_DOT
-    for (; i + 16 <= n; i += 16) {
-        const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i));
-        if (xb) _mm256_storeu_si256((void *)(xb + i), h);
-        _mm512_storeu_si512(xr + i, _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-#endif
-    for (; i < n; i++) {
-        const uint16_t h = float_to_bf16(x[i]);
-        xr[i] = bf16_to_float(h);
-        if (xb) xb[i] = h;
-    }
-}
 
 /* One panel against rows m0..m1 of x: unpacked once into `unpacked` for a block of rows (when
    there is a workspace), else per tile in registers. */
@@ -857,14 +865,9 @@ int linear_q(const void *x, const void *w, const void *bias, void *y, int64_t M,
             /* row by row across the team beyond a tile of rows: on one thread, with the other
                waiting, this took 14% of a 32-row call at K = 1536 */
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (M > MIXED_ROWS)
-            for (int64_t m = 0; m < M; m++) {
-                round_bf16(xs + m * K, K, xround + m * K, xb ? xb + m * K : NULL);
-                for (int64_t b = m * (K / QK); xsum != NULL && b < (m + 1) * (K / QK); b++) {
-                    float t = 0;
-                    for (int j = 0; j < QK; j++) t += xround[b * QK + j];
-                    xsum[b] = t;
-                }
-            }
+            for (int64_t m = 0; m < M; m++)
+                round_row(xs + m * K, K, xround + m * K, xb ? xb + m * K : NULL,
+                          xsum ? xsum + m * (K / QK) : NULL);
             xs = xround;
         }
     }
