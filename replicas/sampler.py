@@ -430,7 +430,7 @@ def _draw_native(logits: torch.Tensor, rows: list[int], batch: BatchParams,
     rejection as in torch, their first draw with the same uniform."""
     u = uniforms(rows).squeeze(1)
     tokens, closed = kernels.draw(logits, torch.tensor(batch.top_k).clamp_(min=1),
-                                  torch.tensor(batch.top_p), u)
+                                  torch.tensor(batch.top_p), u, FIRST_CANDIDATES)
     if not bool(closed.all()):
         wide = (~closed).nonzero().flatten().tolist()
         probs = logits[wide].softmax(-1)

@@ -128,7 +128,7 @@ _SINGLE_SIGNATURES = {
     "llama_layers_bf16": _LAYERS, "llama_layers_f32": _LAYERS, "llama_layers_q": _LAYERS,
     "fma_peak": [_I64, _INT], "bf16_dot_peak": [_I64, _INT],
     "topk_f32": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _INT],
-    "draw_f32": [_PTR, _I64, _I64] + [_PTR] * 5 + [_INT],
+    "draw_f32": [_PTR, _I64, _I64, _I64] + [_PTR] * 5 + [_INT],
 }
 
 
@@ -449,22 +449,24 @@ def supports_draw(x: torch.Tensor) -> bool:
             and x.shape[1] > 0 and load() is not None)
 
 
-def draw(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor
-         ) -> tuple[torch.Tensor, torch.Tensor]:
+def draw(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor,
+         first: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One token a row of x [rows, n] (tempered logits) by inverse transform with uniforms u
     [rows], inside each row's top_k [rows] (int64, n: none) / top_p [rows] (float32, 1: none)
-    set where it closes within the row's window (sampling.c). Returns the tokens and a bool per
-    row, False where the set reaches past the window (that row's token is not drawn). Call only
-    where `supports_draw`."""
+    set where it closes within the row's window of its largest max(first, top_k + 1) logits
+    (sampling.c). Returns the tokens and a bool per row, False where the set reaches past the
+    window (that row's token is not drawn). Call only where `supports_draw`."""
     x = x.contiguous()
     rows = x.shape[0]
     tokens = torch.empty(rows, dtype=torch.int64)
     closed = torch.empty(rows, dtype=torch.uint8)
     top_k, top_p = top_k.contiguous(), top_p.float().contiguous()
     u = u.float().contiguous()
-    _kernel("draw_f32")(x.data_ptr(), rows, x.shape[1], top_k.data_ptr(), top_p.data_ptr(),
-                        u.data_ptr(), tokens.data_ptr(), closed.data_ptr(),
-                        torch.get_num_threads())
+    if _kernel("draw_f32")(x.data_ptr(), rows, x.shape[1], first, top_k.data_ptr(),
+                           top_p.data_ptr(), u.data_ptr(), tokens.data_ptr(), closed.data_ptr(),
+                           torch.get_num_threads()):
+        raise ValueError(f"draw wants a row and a window of at least one, got {x.shape[1]}, "
+                         f"{first}")
     return tokens, closed.bool()
 
 

@@ -82,7 +82,7 @@ int topk_f32(const void *x, int64_t rows, int64_t n, int64_t k, void *values, vo
 /* ---- the draw -------------------------------------------------------------------------------
    One token a row by inverse transform (`_draw`'s, one uniform a row against the running sum of
    the row's probabilities), every row on its own: a row with top-k or top-p draws inside the
-   window of its largest max(64, top_k + 1) logits where its set closes there, in the window's
+   window of its largest max(first, top_k + 1) logits where its set closes there, in the window's
    order, else it is reported (`closed` 0) and the caller draws it by rejection; a row with
    neither draws over the whole row. In torch that is ~15 tensor operations a step (max,
    softmax, the window's gathers, running sums, searches), ~0.4 ms for one row of a
@@ -90,8 +90,7 @@ int topk_f32(const void *x, int64_t rows, int64_t n, int64_t k, void *values, vo
    more than 87 below the row's largest (e^-87 ~ 1e-38 of its mass) gets none, and a token of
    none is never drawn. */
 
-#define DRAW_FIRST 64  /* the window's least width (the sampler's FIRST_CANDIDATES) */
-#define WINDOW_MAX 256 /* and its widest (kernels.TOPK_MAX): wider, the row is reported */
+#define WINDOW_MAX 256 /* a window's widest (kernels.TOPK_MAX): wider, the row is reported */
 #define DRAW_BLOCK 16
 
 /* e^d for d <= 0, 0 below -87 (exp_approx's polynomial): written so that GCC vectorizes it in
@@ -148,10 +147,10 @@ static int64_t row_search(const float *x, int64_t n, float m, float target) {
 }
 
 /* A row with top-k / top-p: 1 and its token where its set closes inside its window, else 0. */
-static int row_window(const float *x, int64_t n, int64_t top_k, float top_p, float u, float m,
-                      float mass, int64_t *token) {
+static int row_window(const float *x, int64_t n, int64_t first, int64_t top_k, float top_p,
+                      float u, float m, float mass, int64_t *token) {
     int64_t w = top_k < n ? top_k + 1 : 0;
-    w = w > DRAW_FIRST ? w : DRAW_FIRST;
+    w = w > first ? w : first;
     w = w < n ? w : n;
     if (w > WINDOW_MAX) return 0;
     float v[WINDOW_MAX], p[WINDOW_MAX];
@@ -181,23 +180,24 @@ static int row_window(const float *x, int64_t n, int64_t top_k, float top_p, flo
     return 1;
 }
 
-/* x [rows, n] float32 (the tempered logits); top_k [rows] (n or more: none), top_p [rows] (1:
-   none), u [rows] uniforms in [0, 1); tokens [rows] int64 out, closed [rows] uint8 out (0: the
-   row's set reaches past its window, its token is not drawn). */
-int draw_f32(const void *x, int64_t rows, int64_t n, const void *top_k, const void *top_p,
-             const void *u, void *tokens, void *closed, int num_threads) {
+/* x [rows, n] float32 (the tempered logits); first: a window's least width (the sampler's
+   FIRST_CANDIDATES); top_k [rows] (n or more: none), top_p [rows] (1: none), u [rows] uniforms in
+   [0, 1); tokens [rows] int64 out, closed [rows] uint8 out (0: the row's set reaches past its
+   window, its token is not drawn). */
+int draw_f32(const void *x, int64_t rows, int64_t n, int64_t first, const void *top_k,
+             const void *top_p, const void *u, void *tokens, void *closed, int num_threads) {
     const float *xs = x, *ps = top_p, *us = u;
     const int64_t *ks = top_k;
     int64_t *ts = tokens;
     uint8_t *cs = closed;
-    if (n <= 0) return 1;
+    if (n <= 0 || first <= 0) return 1;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (rows > 1)
     for (int64_t r = 0; r < rows; r++) {
         const float *row = xs + r * n;
         const float m = row_max(row, n), mass = row_mass(row, n, m);
         cs[r] = 1;
         if (ks[r] < n || ps[r] < 1.0f)
-            cs[r] = (uint8_t)row_window(row, n, ks[r], ps[r], us[r], m, mass, ts + r);
+            cs[r] = (uint8_t)row_window(row, n, first, ks[r], ps[r], us[r], m, mass, ts + r);
         else
             ts[r] = row_search(row, n, m, us[r] * mass);
         if (!cs[r]) ts[r] = 0;

@@ -192,10 +192,10 @@ def test_topk_and_draw(cross: Cross) -> None:
     xs, us = x.repeat_interleave(40, 0), torch.rand(rows, generator=g)
     top_k = torch.tensor([5000, 5000, 20]).repeat_interleave(40)
     top_p = torch.tensor([1.0, 0.9, 1.0]).repeat_interleave(40)
-    _, (*_, tokens, closed) = cross("draw_f32", xs, rows, 5000, top_k, top_p, us,
+    _, (*_, tokens, closed) = cross("draw_f32", xs, rows, 5000, 64, top_k, top_p, us,
                                     torch.empty(rows, dtype=torch.int64),
                                     torch.empty(rows, dtype=torch.uint8), THREADS)
-    host_tokens, host_closed = kernels.draw(xs, top_k, top_p, us)
+    host_tokens, host_closed = kernels.draw(xs, top_k, top_p, us, 64)
     assert torch.equal(closed.bool(), host_closed) and bool(host_closed.all())
     # the same draws as this machine's build, but where a uniform lies within rounding of a
     # boundary (the sums' order follows the vector width)

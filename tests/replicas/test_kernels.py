@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from replicas import kernels
+from replicas import kernels, sampler
 from replicas.attention import AttentionMetadata, paged_attention
 
 pytestmark = pytest.mark.skipif(kernels.load() is None, reason="no C compiler for the kernels")
@@ -417,7 +417,7 @@ def _draw(x: torch.Tensor, u: list[float], top_k: int | None = None, top_p: floa
     rows, vocab = len(u), x.numel()
     return kernels.draw(x.expand(rows, -1).contiguous(),
                         torch.full((rows,), top_k or vocab, dtype=torch.int64),
-                        torch.full((rows,), top_p), torch.tensor(u))
+                        torch.full((rows,), top_p), torch.tensor(u), sampler.FIRST_CANDIDATES)
 
 
 def test_draw_inverts_the_running_sum_of_the_rows_probabilities() -> None:
