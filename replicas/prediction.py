@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from replicas.request import Sequence
-from replicas.sampler import top_k_top_p_min_p
+from replicas.sampler import greedy_tokens, top_k_top_p_min_p
 
 MAX_PROPOSED = 8  # draft tokens verified in one step at most
 LOOKUP = 4  # the most output tokens matched against the prediction to find where it resumes
@@ -68,9 +68,10 @@ def verify(seq: Sequence, logits: torch.Tensor, draft: list[int]) -> tuple[int, 
     rows = logits[:k].float()
     targets = torch.tensor(draft, device=rows.device)
     if seq.params.greedy:
-        agree = (rows.argmax(-1) == targets).tolist()
+        best = greedy_tokens(rows)
+        agree = (best == targets).tolist()
         accepted = agree.index(False) if False in agree else k
-        return accepted, (None if accepted == k else int(rows[accepted].argmax()))
+        return accepted, (None if accepted == k else int(best[accepted]))
     temperature = torch.full((k, 1), seq.params.temperature, device=rows.device)
     probs = top_k_top_p_min_p(rows / temperature, [seq] * k).softmax(-1)
     chosen = probs.gather(1, targets.unsqueeze(1)).squeeze(1).cpu()

@@ -128,7 +128,9 @@ _SINGLE_SIGNATURES = {
     "llama_layers_bf16": _LAYERS, "llama_layers_f32": _LAYERS, "llama_layers_q": _LAYERS,
     "fma_peak": [_I64, _INT], "bf16_dot_peak": [_I64, _INT],
     "topk_f32": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _INT],
+    "argmax_f32": [_PTR, _I64, _I64, _PTR, _INT],
     "draw_f32": [_PTR, _I64, _I64, _I64] + [_PTR] * 5 + [_INT],
+    "redraw_f32": [_PTR, _I64, _I64] + [_PTR] * 6 + [_INT],
 }
 
 
@@ -449,25 +451,52 @@ def supports_draw(x: torch.Tensor) -> bool:
             and x.shape[1] > 0 and load() is not None)
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1) over x [rows, n]: the first index of each row's largest value, or of its
+    first NaN, as torch's. Call only where `supports_draw`."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _kernel("argmax_f32")(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(),
+                          torch.get_num_threads())
+    return out
+
+
 def draw(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor,
          first: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One token a row of x [rows, n] (tempered logits) by inverse transform with uniforms u
     [rows], inside each row's top_k [rows] (int64, n: none) / top_p [rows] (float32, 1: none)
-    set where it closes within the row's window of its largest max(first, top_k + 1) logits
-    (sampling.c). Returns the tokens and a bool per row, False where the set reaches past the
-    window (that row's token is not drawn). Call only where `supports_draw`."""
+    set: within the row's window of its largest max(first, top_k + 1) logits where the set
+    closes there, else drawn from the whole row (sampling.c). Returns the tokens and a bool per
+    row, False where a row's token lies outside its set (rejected: `redraw`). Call only where
+    `supports_draw`."""
     x = x.contiguous()
     rows = x.shape[0]
     tokens = torch.empty(rows, dtype=torch.int64)
-    closed = torch.empty(rows, dtype=torch.uint8)
+    kept = torch.empty(rows, dtype=torch.uint8)
     top_k, top_p = top_k.contiguous(), top_p.float().contiguous()
     u = u.float().contiguous()
     if _kernel("draw_f32")(x.data_ptr(), rows, x.shape[1], first, top_k.data_ptr(),
-                           top_p.data_ptr(), u.data_ptr(), tokens.data_ptr(), closed.data_ptr(),
+                           top_p.data_ptr(), u.data_ptr(), tokens.data_ptr(), kept.data_ptr(),
                            torch.get_num_threads()):
         raise ValueError(f"draw wants a row and a window of at least one, got {x.shape[1]}, "
                          f"{first}")
-    return tokens, closed.bool()
+    return tokens, kept.bool()
+
+
+def redraw(x: torch.Tensor, at: torch.Tensor, tokens: torch.Tensor, top_k: torch.Tensor,
+           top_p: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rejection round: rows at [R] of x (contiguous, as `draw` had it), whose tokens [R]
+    were rejected, each lose that token and every one no more likely, and draw again with u
+    [R] inside their top_k / top_p [R] sets. Returns the new tokens and whether each is kept."""
+    tokens = tokens.clone()
+    kept = torch.empty(at.shape[0], dtype=torch.uint8)
+    at, top_k = at.contiguous(), top_k.contiguous()
+    top_p, u = top_p.float().contiguous(), u.float().contiguous()
+    if _kernel("redraw_f32")(x.data_ptr(), at.shape[0], x.shape[1], at.data_ptr(),
+                             top_k.data_ptr(), top_p.data_ptr(), u.data_ptr(), tokens.data_ptr(),
+                             kept.data_ptr(), torch.get_num_threads()):
+        raise ValueError(f"redraw wants a row of at least one, got {x.shape[1]}")
+    return tokens, kept.bool()
 
 
 def fma_peak_gflops(seconds: float = 1.0, dtype: torch.dtype = torch.float32) -> float:

@@ -186,6 +186,9 @@ def test_topk_and_draw(cross: Cross) -> None:
                                     torch.empty(3, 64, dtype=torch.int64), THREADS)
     want_values, want_indices = x.topk(64, dim=-1)
     assert torch.equal(values, want_values) and torch.equal(indices, want_indices)
+    x[2, [900, 4000]] = 30.0  # ties: the first
+    _, (_, best) = cross("argmax_f32", x, 3, 5000, torch.empty(3, dtype=torch.int64), THREADS)
+    assert best.tolist() == x.argmax(-1).tolist() and best[2] == 900
 
     # 40 draws of each row: the whole row, top_p 0.9, top_k 20
     rows = 3 * 40
@@ -201,3 +204,18 @@ def test_topk_and_draw(cross: Cross) -> None:
     # boundary (the sums' order follows the vector width)
     assert (tokens == host_tokens).float().mean() > 0.97
     assert not bool(torch.isinf(xs.gather(1, tokens.unsqueeze(1))).any())
+
+    # a flat row's top_p set, past the window: drawn from the whole row, then a rejection round
+    flat = (torch.randn(1, 5000, generator=g) * 0.1).expand(40, -1).contiguous()
+    k, p = torch.full((40,), 5000), torch.full((40,), 0.9)
+    u, again = torch.rand(40, generator=g), torch.rand(40, generator=g)
+    _, (*_, tokens, kept) = cross("draw_f32", flat, 40, 5000, 64, k, p, u,
+                                  torch.empty(40, dtype=torch.int64),
+                                  torch.empty(40, dtype=torch.uint8), THREADS)
+    host_tokens, host_kept = kernels.draw(flat, k, p, u, 64)
+    assert (tokens == host_tokens).float().mean() > 0.9 and 0 < int(host_kept.sum()) < 40
+    at = (~host_kept).nonzero().flatten()
+    _, (*_, redrawn, _) = cross("redraw_f32", flat, len(at), 5000, at, k[at], p[at], again[at],
+                                host_tokens[at], torch.empty(len(at), dtype=torch.uint8), THREADS)
+    host_redrawn, _ = kernels.redraw(flat, at, host_tokens[at], k[at], p[at], again[at])
+    assert (redrawn == host_redrawn).float().mean() > 0.9

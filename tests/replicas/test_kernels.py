@@ -402,6 +402,26 @@ def test_topk_puts_equal_values_lower_index_first_and_takes_only_what_it_can() -
     assert not kernels.supports_topk(torch.zeros(2, 5000), kernels.TOPK_MAX + 1)
 
 
+@pytest.mark.parametrize("rows,n", [(1, 49152), (32, 4096), (3, 5003), (2, 17), (1, 1)])
+def test_argmax_gives_torchs_index(rows: int, n: int) -> None:
+    g = torch.Generator().manual_seed(rows * n)
+    x = torch.randn(rows, n, generator=g) * 5
+    x[0, : n // 2] = float("-inf")  # a row with banned tokens
+    assert torch.equal(kernels.argmax(x), x.argmax(-1))
+
+
+def test_argmax_takes_the_first_of_equal_values_and_a_nan_first() -> None:
+    x = torch.randn(5, 300, generator=torch.Generator().manual_seed(3))
+    x[0, [70, 129, 250]] = 9.0  # ties, past the first block of the scan
+    x[1, [7, 200]] = float("nan")
+    x[1, 100] = 50.0
+    x[2] = float("-inf")
+    x[3, 299] = float("inf")
+    x[4, [5, 6]] = float("nan")
+    want = [70, 7, 0, 299, 5]
+    assert kernels.argmax(x).tolist() == want == x.argmax(-1).tolist()
+
+
 def _inverse_cdf64(logits: torch.Tensor, u: float) -> int | None:
     """The token the inverse transform gives for u over a row's logits, in float64; None where u
     lies too near a boundary for float32 sums to agree on it."""
@@ -450,7 +470,10 @@ def test_draw_never_gives_a_token_without_weight() -> None:
     assert _draw(lone, u)[0].tolist() == [17] * 4
 
 
-@pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (40, 0.95), (5000, 0.7), (1, 1.0), (63, 0.99)])
+# sets of 1-5 tokens close inside the narrow first look (sampling.c's NARROW), of 30 or more
+# only inside the wide window
+@pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (40, 0.95), (5000, 0.7), (1, 1.0), (63, 0.99),
+                                         (30, 1.0), (50, 1.0)])
 def test_draw_inside_a_window_follows_the_sorted_set(top_k: int, top_p: float) -> None:
     g = torch.Generator().manual_seed(top_k)
     x = torch.randn(5000, generator=g) * 4  # peaked: each set lies within the first window
@@ -472,12 +495,37 @@ def test_draw_inside_a_window_follows_the_sorted_set(top_k: int, top_p: float) -
     assert set(tokens.tolist()) <= set(order[inside].tolist())
 
 
-def test_draw_reports_sets_that_reach_past_their_window() -> None:
+def test_sets_past_the_window_are_drawn_by_rejection_rounds() -> None:
+    """A set wider than the window: the draw takes a token of the whole row and keeps it only
+    where it lies in the set; each redraw round drops the rejected token and every one no more
+    likely, until a token in the set is kept."""
     flat = torch.randn(5000, generator=torch.Generator().manual_seed(1)) * 0.1
-    _, closed = _draw(flat, [0.5], top_p=0.9)  # hundreds of tokens: past the 64 of the window
-    assert closed.tolist() == [False]
-    _, closed = _draw(flat, [0.5], top_k=300)  # a window wider than the kernel takes
-    assert closed.tolist() == [False]
-    _, closed = _draw(flat, [0.5], top_k=200)  # top_k alone closes at its rank
-    assert closed.tolist() == [True]
+    sorted_x, order = flat.sort(descending=True)
+    probs = (sorted_x.double() - sorted_x[0]).exp()
+    probs /= probs.sum()
+    for top_k, top_p in ((5000, 0.9), (300, 1.0)):  # hundreds of tokens; wider than the kernel
+        in_set = torch.zeros(5000, dtype=torch.bool)
+        in_set[order[(torch.arange(5000) < top_k) & ((probs.cumsum(0) - probs) < top_p)]] = True
+        assert int(in_set.sum()) > 64
+        u = torch.rand(400, generator=torch.Generator().manual_seed(2))
+        tokens, kept = _draw(flat, u.tolist(), top_k, top_p)
+        assert 0 < int(kept.sum()) < 400
+        # kept exactly where the token is in the set (but within rounding of its boundary)
+        assert (kept == in_set[tokens]).float().mean() > 0.99
+        x = flat.expand(400, -1).contiguous()
+        pending = (~kept).nonzero().flatten()
+        for round_ in range(40):
+            if not pending.numel():
+                break
+            drawn, again = kernels.redraw(x, pending, tokens[pending],
+                                          torch.full((len(pending),), top_k),
+                                          torch.full((len(pending),), top_p),
+                                          torch.rand(len(pending)))
+            assert bool((flat[drawn] > flat[tokens[pending]]).all())  # only likelier ones left
+            tokens[pending] = drawn
+            pending = pending[~again]
+        assert not pending.numel()
+        assert in_set[tokens].float().mean() > 0.99
+    _, kept = _draw(flat, [0.5], top_k=200)  # top_k alone closes at its rank, in the window
+    assert kept.tolist() == [True]
     assert not kernels.supports_draw(flat.unsqueeze(0).bfloat16())
