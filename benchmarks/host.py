@@ -32,6 +32,7 @@ SAMPLINGS: list[tuple[str, SamplingParams, float]] = [
     ("top_p 0.9 peaked", SamplingParams(max_tokens=1, temperature=0.7, top_p=0.9), 8.0),
     ("top_p 0.9 flat", SamplingParams(max_tokens=1, temperature=0.7, top_p=0.9), 1.0),
     ("top_k 50 flat", SamplingParams(max_tokens=1, top_k=50), 1.0),
+    ("min_p 0.1 flat", SamplingParams(max_tokens=1, temperature=0.7, min_p=0.1), 1.0),
 ]
 
 

@@ -334,8 +334,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int],
     else:
         best = greedy_tokens(logits) if any(greedy) else None
         scaled = logits.div_(batch.temperature.unsqueeze(1))
-        if batch.min_p is not None:
-            scaled = _min_p(scaled, batch.min_p)
+        if batch.min_p is not None and not kernels.supports_draw(scaled):
+            scaled = _min_p(scaled, batch.min_p)  # (the native draw applies it in its passes)
         tokens = _draw(scaled, seqs, batch)
         if best is not None:
             tokens = torch.where(torch.tensor(greedy, device=logits.device), best, tokens)
@@ -432,26 +432,32 @@ def _draw(logits: torch.Tensor, seqs: list[Sequence], batch: BatchParams) -> tor
 
 def _draw_native(logits: torch.Tensor, rows: list[int], batch: BatchParams,
                  uniforms: _Uniforms) -> torch.Tensor:
-    """`_draw` in native calls on CPUs (kernels.draw: each row's window, probabilities and
-    search without a tensor operation between them): ~15 torch operations took ~0.4 ms for
-    one row of a 49,152-token vocabulary. Rows whose set reaches past their window draw by
-    rejection as `_draw_truncated` does, a round a call (kernels.redraw), with the same
-    uniforms: its tensor operations over whole rows took 17-20 ms a step for 32 such rows."""
+    """`_draw` in native calls on CPUs, min_p included (kernels.draw: each row's window,
+    probabilities and search without a tensor operation between them): ~15 torch operations
+    took ~0.4 ms for one row of a 49,152-token vocabulary, and `_min_p`'s five passes over the
+    rows as long again. Rows whose set reaches past their window draw by rejection as
+    `_draw_truncated` does, a round a call (kernels.redraw), with the same uniforms: its tensor
+    operations over whole rows took 10-16 ms a step for 32 such rows."""
     logits = logits.contiguous()
     top_k = torch.tensor(batch.top_k).clamp_(min=1)
     top_p = torch.tensor(batch.top_p)
-    tokens, kept = kernels.draw(logits, top_k, top_p, uniforms(rows).squeeze(1), FIRST_CANDIDATES)
+    min_p = batch.min_p if batch.min_p is not None else torch.zeros(len(rows))
+    tokens, kept = kernels.draw(logits, top_k, top_p, min_p, uniforms(rows).squeeze(1),
+                                FIRST_CANDIDATES)
     pending = (~kept).nonzero().flatten()
     for _ in range(MAX_REJECTIONS):
         if not pending.numel():
             return tokens
         drawn, kept = kernels.redraw(logits, pending, tokens[pending], top_k[pending],
-                                     top_p[pending], uniforms(pending.tolist()).squeeze(1))
+                                     top_p[pending], min_p[pending],
+                                     uniforms(pending.tolist()).squeeze(1))
         tokens[pending] = drawn
         pending = pending[~kept]
     if pending.numel():
-        left = pending.tolist()
-        tokens[pending] = _draw_exact(logits[pending], left, batch, uniforms)
+        left = logits[pending]
+        if batch.min_p is not None:
+            left = _min_p(left, batch.min_p[pending])
+        tokens[pending] = _draw_exact(left, pending.tolist(), batch, uniforms)
     return tokens
 
 

@@ -129,8 +129,8 @@ _SINGLE_SIGNATURES = {
     "fma_peak": [_I64, _INT], "bf16_dot_peak": [_I64, _INT],
     "topk_f32": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _INT],
     "argmax_f32": [_PTR, _I64, _I64, _PTR, _INT],
-    "draw_f32": [_PTR, _I64, _I64, _I64] + [_PTR] * 5 + [_INT],
-    "redraw_f32": [_PTR, _I64, _I64] + [_PTR] * 6 + [_INT],
+    "draw_f32": [_PTR, _I64, _I64, _I64] + [_PTR] * 6 + [_INT],
+    "redraw_f32": [_PTR, _I64, _I64] + [_PTR] * 7 + [_INT],
 }
 
 
@@ -461,40 +461,42 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def draw(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor,
-         first: int) -> tuple[torch.Tensor, torch.Tensor]:
+def draw(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+         u: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One token a row of x [rows, n] (tempered logits) by inverse transform with uniforms u
-    [rows], inside each row's top_k [rows] (int64, n: none) / top_p [rows] (float32, 1: none)
-    set: within the row's window of its largest max(first, top_k + 1) logits where the set
-    closes there, else drawn from the whole row (sampling.c). Returns the tokens and a bool per
-    row, False where a row's token lies outside its set (rejected: `redraw`). Call only where
-    `supports_draw`."""
+    [rows], among the tokens each row's min_p [rows] (float32, 0: none) keeps and inside its
+    top_k [rows] (int64, n: none) / top_p [rows] (float32, 1: none) set: within the row's
+    window of its largest max(first, top_k + 1) logits where the set closes there, else drawn
+    from the whole row (sampling.c). Returns the tokens and a bool per row, False where a row's
+    token lies outside its set (rejected: `redraw`). Call only where `supports_draw`."""
     x = x.contiguous()
     rows = x.shape[0]
     tokens = torch.empty(rows, dtype=torch.int64)
     kept = torch.empty(rows, dtype=torch.uint8)
-    top_k, top_p = top_k.contiguous(), top_p.float().contiguous()
+    top_k, top_p, min_p = top_k.contiguous(), top_p.float().contiguous(), min_p.float().contiguous()
     u = u.float().contiguous()
     if _kernel("draw_f32")(x.data_ptr(), rows, x.shape[1], first, top_k.data_ptr(),
-                           top_p.data_ptr(), u.data_ptr(), tokens.data_ptr(), kept.data_ptr(),
-                           torch.get_num_threads()):
+                           top_p.data_ptr(), min_p.data_ptr(), u.data_ptr(), tokens.data_ptr(),
+                           kept.data_ptr(), torch.get_num_threads()):
         raise ValueError(f"draw wants a row and a window of at least one, got {x.shape[1]}, "
                          f"{first}")
     return tokens, kept.bool()
 
 
 def redraw(x: torch.Tensor, at: torch.Tensor, tokens: torch.Tensor, top_k: torch.Tensor,
-           top_p: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+           top_p: torch.Tensor, min_p: torch.Tensor, u: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """One rejection round: rows at [R] of x (contiguous, as `draw` had it), whose tokens [R]
     were rejected, each lose that token and every one no more likely, and draw again with u
-    [R] inside their top_k / top_p [R] sets. Returns the new tokens and whether each is kept."""
+    [R] inside their top_k / top_p / min_p [R] sets. Returns the new tokens and whether each is
+    kept."""
     tokens = tokens.clone()
     kept = torch.empty(at.shape[0], dtype=torch.uint8)
     at, top_k = at.contiguous(), top_k.contiguous()
-    top_p, u = top_p.float().contiguous(), u.float().contiguous()
+    top_p, min_p, u = top_p.float().contiguous(), min_p.float().contiguous(), u.float().contiguous()
     if _kernel("redraw_f32")(x.data_ptr(), at.shape[0], x.shape[1], at.data_ptr(),
-                             top_k.data_ptr(), top_p.data_ptr(), u.data_ptr(), tokens.data_ptr(),
-                             kept.data_ptr(), torch.get_num_threads()):
+                             top_k.data_ptr(), top_p.data_ptr(), min_p.data_ptr(), u.data_ptr(),
+                             tokens.data_ptr(), kept.data_ptr(), torch.get_num_threads()):
         raise ValueError(f"redraw wants a row of at least one, got {x.shape[1]}")
     return tokens, kept.bool()
 

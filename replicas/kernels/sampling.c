@@ -153,8 +153,9 @@ int argmax_f32(const void *x, int64_t rows, int64_t n, void *out, int num_thread
    order, else by rejection (`_draw_truncated`'s: a token drawn from the whole row is kept where
    it lies in the set, else it and every token no more likely leave the row and the row draws
    again, with a new uniform: `redraw_f32`, a round a call); a row with neither draws over the
-   whole row. In torch that is ~15 tensor operations a step (max,
-   softmax, the window's gathers, running sums, searches), ~0.4 ms for one row of a
+   whole row. A row's min_p first drops every token less likely than min_p times the largest
+   (`min_p_floor`), as `_min_p` masks them in torch. In torch that is ~15 tensor operations a
+   step (max, softmax, the window's gathers, running sums, searches), ~0.4 ms for one row of a
    49,152-token vocabulary against 20-35 us here. Probabilities are e^(x - max) / sum; a logit
    more than 87 below the row's largest (e^-87 ~ 1e-38 of its mass) gets none, and a token of
    none is never drawn. */
@@ -225,8 +226,8 @@ KERNEL_INLINE int64_t row_search(const float *x, int64_t n, float m, float floor
 /* Whether token t lies in its row's set: fewer than top_k tokens more likely, holding less than
    top_p of the row's mass (the most likely token always does; equal ones at the boundary are
    kept). */
-static int in_set(const float *x, int64_t n, float m, float mass, int64_t t, int64_t top_k,
-                  float top_p) {
+KERNEL_INLINE int in_set(const float *x, int64_t n, float m, float mass, int64_t t,
+                         int64_t top_k, float top_p) {
     const float xt = x[t];
     int64_t count = 0;
     float above = 0.0f;
@@ -240,18 +241,20 @@ static int in_set(const float *x, int64_t n, float m, float mass, int64_t t, int
 
 /* The set of a row with top-k / top-p inside its w largest logits (v, ix: best first): 1 and its
    token where the set closes there, else 0 (it may reach past them). */
-static int set_draw(const float *v, const int64_t *ix, int64_t w, int64_t n, int64_t top_k,
-                    float top_p, float u, float m, float mass, int64_t *token) {
+KERNEL_INLINE int set_draw(const float *v, const int64_t *ix, int64_t w, int64_t n,
+                          int64_t top_k, float top_p, float u, float m, float floor, float mass,
+                          int64_t *token) {
     float p[WINDOW_MAX];
-    /* the set: ranks below top_k whose more likely tokens hold less than top_p (at least one) */
+    /* the set: ranks below top_k, above min_p's floor, whose more likely tokens hold less than
+       top_p (at least one: the largest is above the floor) */
     int64_t c = 0;
     float before = 0.0f;
     for (; c < w; c++) {
-        if (c >= top_k || (c > 0 && before >= top_p)) break;
+        if (c >= top_k || (c > 0 && before >= top_p) || !(v[c] > floor)) break;
         p[c] = weight(v[c] - m) / mass;
         before += p[c];
     }
-    if (c == w && w < n) return 0;
+    if (c == w && w < n) return 0; /* the set may reach past the window */
     float total = 0.0f;
     for (int64_t j = 0; j < c; j++) total += p[j];
     const float target = u * total;
@@ -274,8 +277,9 @@ static int set_draw(const float *v, const int64_t *ix, int64_t w, int64_t n, int
 #define NARROW 16
 
 /* A row with top-k / top-p: 1 and its token where its set closes inside its window, else 0. */
-static int row_window(const float *x, int64_t n, int64_t first, int64_t top_k, float top_p,
-                      float u, float m, float mass, int64_t *token) {
+KERNEL_INLINE int row_window(const float *x, int64_t n, int64_t first, int64_t top_k,
+                            float top_p, float u, float m, float floor, float mass,
+                            int64_t *token) {
     int64_t w = top_k < n ? top_k + 1 : 0;
     w = w > first ? w : first;
     w = w < n ? w : n;
@@ -285,19 +289,42 @@ static int row_window(const float *x, int64_t n, int64_t first, int64_t top_k, f
     /* (a top_k of NARROW or more alone sets that many tokens: the first look cannot close) */
     if (w > NARROW && (top_p < 1.0f || top_k < NARROW)) {
         row_topk(x, n, NARROW, v, ix);
-        if (set_draw(v, ix, NARROW, n, top_k, top_p, u, m, mass, token)) return 1;
+        if (set_draw(v, ix, NARROW, n, top_k, top_p, u, m, floor, mass, token)) return 1;
     }
     row_topk(x, n, w, v, ix);
-    return set_draw(v, ix, w, n, top_k, top_p, u, m, mass, token);
+    return set_draw(v, ix, w, n, top_k, top_p, u, m, floor, mass, token);
+}
+
+/* min_p's floor: a token whose probability is below min_p times the largest's, e^(x - m) <
+   min_p, leaves the row, so a row keeps x >= m + ln(min_p), i.e. x above the float below it;
+   -FLT_MAX (none) for min_p 0. min_p 1 keeps the largest logits alone. */
+KERNEL_INLINE float min_p_floor(float m, float min_p) {
+    return min_p > 0.0f ? nextafterf(m + logf(min_p), -FLT_MAX) : -FLT_MAX;
+}
+
+/* One row of draw_f32 (floor: min_p's, the constant -FLT_MAX where a row has none, so those
+   loops carry no test) */
+KERNEL_INLINE void draw_row(const float *row, int64_t n, float m, float floor, int64_t first,
+                            int64_t top_k, float top_p, float u, int64_t *token, uint8_t *kept) {
+    const float mass = row_mass(row, n, m, floor);
+    const int truncated = top_k < n || top_p < 1.0f;
+    if (truncated && row_window(row, n, first, top_k, top_p, u, m, floor, mass, token)) {
+        *kept = 1;
+        return;
+    }
+    *token = row_search(row, n, m, floor, u * mass);
+    *kept = (uint8_t)(!truncated || in_set(row, n, m, mass, *token, top_k, top_p));
 }
 
 /* x [rows, n] float32 (the tempered logits); first: a window's least width (the sampler's
-   FIRST_CANDIDATES); top_k [rows] (n or more: none), top_p [rows] (1: none), u [rows] uniforms in
-   [0, 1); tokens [rows] int64 out, kept [rows] uint8 out (0: the row's set reaches past its
-   window and its token, drawn from the whole row, lies outside it: rejected, for `redraw_f32`). */
+   FIRST_CANDIDATES); top_k [rows] (n or more: none), top_p [rows] (1: none), min_p [rows] (0:
+   none), u [rows] uniforms in [0, 1); tokens [rows] int64 out, kept [rows] uint8 out (0: the
+   row's set reaches past its window and its token, drawn from the whole row, lies outside it:
+   rejected, for `redraw_f32`). */
 int draw_f32(const void *x, int64_t rows, int64_t n, int64_t first, const void *top_k,
-             const void *top_p, const void *u, void *tokens, void *kept, int num_threads) {
-    const float *xs = x, *ps = top_p, *us = u;
+             const void *top_p, const void *min_p, const void *u, void *tokens, void *kept,
+             int num_threads) {
+    const float *xs = x, *ps = top_p, *mps = min_p, *us = u;
     const int64_t *ks = top_k;
     int64_t *ts = tokens;
     uint8_t *cs = kept;
@@ -305,14 +332,11 @@ int draw_f32(const void *x, int64_t rows, int64_t n, int64_t first, const void *
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (rows > 1)
     for (int64_t r = 0; r < rows; r++) {
         const float *row = xs + r * n;
-        const float m = row_max(row, n), mass = row_mass(row, n, m, -FLT_MAX);
-        const int truncated = ks[r] < n || ps[r] < 1.0f;
-        if (truncated && row_window(row, n, first, ks[r], ps[r], us[r], m, mass, ts + r)) {
-            cs[r] = 1;
-            continue;
-        }
-        ts[r] = row_search(row, n, m, -FLT_MAX, us[r] * mass);
-        cs[r] = (uint8_t)(!truncated || in_set(row, n, m, mass, ts[r], ks[r], ps[r]));
+        const float m = row_max(row, n);
+        if (mps[r] > 0.0f)
+            draw_row(row, n, m, min_p_floor(m, mps[r]), first, ks[r], ps[r], us[r], ts + r, cs + r);
+        else
+            draw_row(row, n, m, -FLT_MAX, first, ks[r], ps[r], us[r], ts + r, cs + r);
     }
     return 0;
 }
@@ -320,10 +344,11 @@ int draw_f32(const void *x, int64_t rows, int64_t n, int64_t first, const void *
 /* One rejection round for `count` rows of x [.., n]: row j is x's row at[j], whose last draw,
    tokens[j], lay outside its set; it and every token no more likely leave the row, and the row
    draws again from what is left with u[j]. tokens [count] int64 in and out, kept [count] uint8
-   out (0: rejected again); top_k, top_p as draw_f32's, one a row of the round. */
+   out (0: rejected again); top_k, top_p, min_p as draw_f32's, one a row of the round. */
 int redraw_f32(const void *x, int64_t count, int64_t n, const void *at, const void *top_k,
-               const void *top_p, const void *u, void *tokens, void *kept, int num_threads) {
-    const float *xs = x, *ps = top_p, *us = u;
+               const void *top_p, const void *min_p, const void *u, void *tokens, void *kept,
+               int num_threads) {
+    const float *xs = x, *ps = top_p, *mps = min_p, *us = u;
     const int64_t *rs = at, *ks = top_k;
     int64_t *ts = tokens;
     uint8_t *cs = kept;
@@ -331,7 +356,9 @@ int redraw_f32(const void *x, int64_t count, int64_t n, const void *at, const vo
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (count > 1)
     for (int64_t j = 0; j < count; j++) {
         const float *row = xs + rs[j] * n;
-        const float m = row_max(row, n), mass = row_mass(row, n, m, -FLT_MAX);
+        const float m = row_max(row, n);
+        /* the set's mass: the tokens min_p keeps (a rejected token is one of them) */
+        const float mass = row_mass(row, n, m, min_p_floor(m, mps[j]));
         const float floor = row[ts[j]], left = row_mass(row, n, m, floor);
         if (!(left > 0.0f)) { /* nothing above it (it was the most likely): always in the set */
             cs[j] = 1;

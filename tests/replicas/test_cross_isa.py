@@ -195,27 +195,30 @@ def test_topk_and_draw(cross: Cross) -> None:
     xs, us = x.repeat_interleave(40, 0), torch.rand(rows, generator=g)
     top_k = torch.tensor([5000, 5000, 20]).repeat_interleave(40)
     top_p = torch.tensor([1.0, 0.9, 1.0]).repeat_interleave(40)
-    _, (*_, tokens, closed) = cross("draw_f32", xs, rows, 5000, 64, top_k, top_p, us,
+    min_p = torch.zeros(rows)
+    _, (*_, tokens, closed) = cross("draw_f32", xs, rows, 5000, 64, top_k, top_p, min_p, us,
                                     torch.empty(rows, dtype=torch.int64),
                                     torch.empty(rows, dtype=torch.uint8), THREADS)
-    host_tokens, host_closed = kernels.draw(xs, top_k, top_p, us, 64)
+    host_tokens, host_closed = kernels.draw(xs, top_k, top_p, min_p, us, 64)
     assert torch.equal(closed.bool(), host_closed) and bool(host_closed.all())
     # the same draws as this machine's build, but where a uniform lies within rounding of a
     # boundary (the sums' order follows the vector width)
     assert (tokens == host_tokens).float().mean() > 0.97
     assert not bool(torch.isinf(xs.gather(1, tokens.unsqueeze(1))).any())
 
-    # a flat row's top_p set, past the window: drawn from the whole row, then a rejection round
+    # a flat row's top_p set (min_p 0.01 too), past the window: drawn from the whole row, then a
+    # rejection round
     flat = (torch.randn(1, 5000, generator=g) * 0.1).expand(40, -1).contiguous()
-    k, p = torch.full((40,), 5000), torch.full((40,), 0.9)
+    k, p, mp = torch.full((40,), 5000), torch.full((40,), 0.9), torch.full((40,), 0.01)
     u, again = torch.rand(40, generator=g), torch.rand(40, generator=g)
-    _, (*_, tokens, kept) = cross("draw_f32", flat, 40, 5000, 64, k, p, u,
+    _, (*_, tokens, kept) = cross("draw_f32", flat, 40, 5000, 64, k, p, mp, u,
                                   torch.empty(40, dtype=torch.int64),
                                   torch.empty(40, dtype=torch.uint8), THREADS)
-    host_tokens, host_kept = kernels.draw(flat, k, p, u, 64)
+    host_tokens, host_kept = kernels.draw(flat, k, p, mp, u, 64)
     assert (tokens == host_tokens).float().mean() > 0.9 and 0 < int(host_kept.sum()) < 40
     at = (~host_kept).nonzero().flatten()
-    _, (*_, redrawn, _) = cross("redraw_f32", flat, len(at), 5000, at, k[at], p[at], again[at],
-                                host_tokens[at], torch.empty(len(at), dtype=torch.uint8), THREADS)
-    host_redrawn, _ = kernels.redraw(flat, at, host_tokens[at], k[at], p[at], again[at])
+    _, (*_, redrawn, _) = cross("redraw_f32", flat, len(at), 5000, at, k[at], p[at], mp[at],
+                                again[at], host_tokens[at],
+                                torch.empty(len(at), dtype=torch.uint8), THREADS)
+    host_redrawn, _ = kernels.redraw(flat, at, host_tokens[at], k[at], p[at], mp[at], again[at])
     assert (redrawn == host_redrawn).float().mean() > 0.9

@@ -432,12 +432,14 @@ def _inverse_cdf64(logits: torch.Tensor, u: float) -> int | None:
     return None if near < 1e-5 else min(token, logits.numel() - 1)
 
 
-def _draw(x: torch.Tensor, u: list[float], top_k: int | None = None, top_p: float = 1.0):
+def _draw(x: torch.Tensor, u: list[float], top_k: int | None = None, top_p: float = 1.0,
+          min_p: float = 0.0):
     """kernels.draw of the row x at each u (one row each)."""
     rows, vocab = len(u), x.numel()
     return kernels.draw(x.expand(rows, -1).contiguous(),
                         torch.full((rows,), top_k or vocab, dtype=torch.int64),
-                        torch.full((rows,), top_p), torch.tensor(u), sampler.FIRST_CANDIDATES)
+                        torch.full((rows,), top_p), torch.full((rows,), min_p), torch.tensor(u),
+                        sampler.FIRST_CANDIDATES)
 
 
 def test_draw_inverts_the_running_sum_of_the_rows_probabilities() -> None:
@@ -520,7 +522,7 @@ def test_sets_past_the_window_are_drawn_by_rejection_rounds() -> None:
             drawn, again = kernels.redraw(x, pending, tokens[pending],
                                           torch.full((len(pending),), top_k),
                                           torch.full((len(pending),), top_p),
-                                          torch.rand(len(pending)))
+                                          torch.zeros(len(pending)), torch.rand(len(pending)))
             assert bool((flat[drawn] > flat[tokens[pending]]).all())  # only likelier ones left
             tokens[pending] = drawn
             pending = pending[~again]
@@ -528,4 +530,19 @@ def test_sets_past_the_window_are_drawn_by_rejection_rounds() -> None:
         assert in_set[tokens].float().mean() > 0.99
     _, kept = _draw(flat, [0.5], top_k=200)  # top_k alone closes at its rank, in the window
     assert kept.tolist() == [True]
+
+
+def test_min_p_keeps_the_tokens_within_its_share_of_the_largest() -> None:
+    x = torch.full((300,), float("-inf"))
+    x[[3, 150, 200, 299]] = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    u = torch.linspace(0, 1 - 2 ** -24, 200).tolist()
+    for min_p, top_p, allowed in ((0.2, 1.0, {3, 150, 200}), (0.5, 1.0, {3, 150}),
+                                  (1.0, 1.0, {3}), (0.2, 0.8, {3, 150}), (0.0, 1.0, {3, 150, 200, 299})):
+        tokens, kept = _draw(x, u, top_p=top_p, min_p=min_p)
+        assert bool(kept.all()) and set(tokens.tolist()) == allowed, (min_p, top_p)
+    # a wide row: min_p's floor holds through the rejection rounds too
+    flat = torch.randn(5000, generator=torch.Generator().manual_seed(4)) * 0.5
+    floor = flat.max() + torch.tensor(0.05).log()
+    tokens, kept = _draw(flat, torch.rand(300).tolist(), top_p=0.9, min_p=0.05)
+    assert bool((flat[tokens] >= floor - 1e-6).all()) and not bool(kept.all())
     assert not kernels.supports_draw(flat.unsqueeze(0).bfloat16())

@@ -254,6 +254,44 @@ def test_a_set_inside_the_window_is_drawn_with_its_renormalised_probabilities(
                                rtol=0)
 
 
+@pytest.mark.parametrize("min_p,top_p,want", [(0.2, 1.0, {7: 0.5 / 0.95, 8: 0.3 / 0.95,
+                                                             299: 0.15 / 0.95}),
+                                               (0.5, 1.0, {7: 0.5 / 0.8, 8: 0.3 / 0.8}),
+                                               (0.2, 0.8, {7: 0.5 / 0.8, 8: 0.3 / 0.8})])
+def test_min_p_keeps_the_tokens_within_its_share_of_the_largest(
+        draw_path: str, min_p: float, top_p: float, want: dict[int, float]) -> None:
+    torch.manual_seed(5)
+    rows = 20000
+    logits = _logits(rows, {7: 0.5, 8: 0.3, 299: 0.15, 40: 0.05})
+    seqs = [Sequence(i, f"r{i}", 0, [1], 1, SamplingParams(max_tokens=4, min_p=min_p,
+                                                           top_p=top_p)) for i in range(rows)]
+    tokens = torch.tensor(sample(logits, seqs, frozenset()).token_ids)
+    assert set(tokens.unique().tolist()) == set(want)
+    freq = torch.bincount(tokens, minlength=300).float() / rows
+    torch.testing.assert_close(freq[list(want)], torch.tensor(list(want.values())), atol=0.015,
+                               rtol=0)
+
+
+def test_min_p_holds_through_rejections(monkeypatch: pytest.MonkeyPatch, draw_path: str) -> None:
+    """A wide top_p set under min_p: drawn by rejection (and, with no rounds, built exactly)
+    from the tokens min_p keeps, with their renormalised probabilities."""
+    torch.manual_seed(6)
+    rows, vocab = 20000, 300
+    logits = _wide(rows, vocab)
+    kept = logits[:1].masked_fill(logits[:1].softmax(-1) < 0.2 * logits[:1].softmax(-1).max(),
+                                  float("-inf"))
+    want = _sorted_truncation(kept, [vocab], [0.9])[0].softmax(-1)
+    assert 64 < int((want > 0).sum()) < int((logits[0].softmax(-1) > 0).sum())
+    seqs = [Sequence(i, f"r{i}", 0, [1], 1, SamplingParams(max_tokens=4, min_p=0.2, top_p=0.9))
+            for i in range(rows)]
+    for rejections in (16, 0):
+        monkeypatch.setattr(sampler, "MAX_REJECTIONS", rejections)
+        tokens = torch.tensor(sample(logits.clone(), seqs, frozenset()).token_ids)
+        assert bool((want[tokens] > 0).all())
+        freq = torch.bincount(tokens, minlength=vocab).float() / rows
+        torch.testing.assert_close(freq, want, atol=0.006, rtol=0)
+
+
 def test_a_seed_draws_the_same_token_inside_its_window_whatever_shares_the_batch(
         draw_path: str) -> None:
     logits = torch.randn(1, 5000, generator=torch.Generator().manual_seed(2)) * 3
