@@ -743,7 +743,7 @@ class Engine:
         k = seq.params.prompt_logprobs or 0
         rows = logits[first - start: end - start]
         seq.prompt_logprobs.extend(  # type: ignore[union-attr]
-            compute_logprobs(rows.log_softmax(-1), targets, [k] * len(targets)))
+            compute_logprobs(rows, targets, [k] * len(targets)))
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params

@@ -282,24 +282,27 @@ def _truncate(logits: torch.Tensor, k: list[int], p: list[float], widen: bool = 
     return out, (None if widen or bool(closed.all()) else ~closed)
 
 
-def compute_logprobs(raw_logprobs: torch.Tensor, token_ids: torch.Tensor,
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
                      top_n: list[int]) -> list[TokenLogprob]:
-    """raw_logprobs: [R, V]; token_ids: [R]; top_n[i] top alternatives for row i."""
-    chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-    ranks = (raw_logprobs > chosen.unsqueeze(1)).sum(1) + 1
+    """logits: [R, V], raw (before penalties, temperature and masks); token_ids: [R]; top_n[i]
+    top alternatives for row i. On CPUs in native passes (kernels.logprobs: torch's
+    log_softmax, compare-and-sum and topk took 3-19 ms a step for 32 rows)."""
     k = max(top_n, default=0)
-    top_vals, top_ids = (raw_logprobs.topk(k, dim=-1) if k else (None, None))
-    # to the host in one go: per-element reads of a GPU tensor would each sync
-    token_ids, chosen, ranks = token_ids.cpu(), chosen.cpu(), ranks.cpu()
-    if k:
-        top_vals, top_ids = top_vals.cpu(), top_ids.cpu()
-    out = []
-    for i, n in enumerate(top_n):
-        top: tuple[tuple[int, float], ...] = ()
-        if n:
-            top = tuple(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist()))
-        out.append(TokenLogprob(int(token_ids[i]), float(chosen[i]), int(ranks[i]), top))
-    return out
+    top_vals = top_ids = None
+    if kernels.supports_logprobs(logits, k):
+        chosen, ranks, top_vals, top_ids = kernels.logprobs(logits, token_ids.cpu(), k)
+    else:
+        raw_logprobs = logits.log_softmax(-1)
+        chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        ranks = (raw_logprobs > chosen.unsqueeze(1)).sum(1) + 1
+        if k:
+            top_vals, top_ids = raw_logprobs.topk(k, dim=-1)
+    # to Python lists in one go: per-element reads of a GPU tensor would each sync, and a
+    # slice's tolist a row cost ~5 us each (0.3 ms a step at 32 rows)
+    ids, values = (top_ids.tolist(), top_vals.tolist()) if k else ([], [])
+    return [TokenLogprob(token, value, rank, tuple(zip(ids[i][:n], values[i][:n])) if n else ())
+            for i, (token, value, rank, n) in enumerate(zip(token_ids.tolist(), chosen.tolist(),
+                                                            ranks.tolist(), top_n))]
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int],
@@ -308,8 +311,10 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int],
     `bitmask_fn(logits)` applies constraint masks when any row is constrained; `batch`: the
     rows' parameters as tensors (`SamplingBatch.params`), else built here."""
     batch = batch or BatchParams.of_seqs(seqs, logits.shape[1], logits.device)
-    want_logprobs = [s.params.logprobs is not None for s in seqs]
-    raw_logprobs = logits.log_softmax(-1) if any(want_logprobs) else None
+    # the rows whose logprobs are asked for, as the model gave them (the rest modifies logits);
+    # index_select: indexing by a list took 0.89 ms for 32 rows of 49,152 logits, this 0.19
+    want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    raw = logits.index_select(0, torch.tensor(want, device=logits.device)) if want else None
     if bitmask_fn is not None:
         bitmask_fn(logits)
     failed: dict[int, str] = {}
@@ -341,11 +346,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int],
             tokens = torch.where(torch.tensor(greedy, device=logits.device), best, tokens)
 
     logprobs: list[TokenLogprob | None] = [None] * len(seqs)
-    if raw_logprobs is not None:
-        rows = [i for i, w in enumerate(want_logprobs) if w]
-        computed = compute_logprobs(raw_logprobs[rows], tokens[rows],
-                                    [seqs[i].params.logprobs or 0 for i in rows])
-        for i, lp in zip(rows, computed):
+    if raw is not None:
+        computed = compute_logprobs(raw, tokens[want], [seqs[i].params.logprobs or 0 for i in want])
+        for i, lp in zip(want, computed):
             logprobs[i] = lp
     return SamplerOutput(tokens.tolist(), logprobs, masked_out - failed.keys(), failed)
 

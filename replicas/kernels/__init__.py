@@ -129,6 +129,7 @@ _SINGLE_SIGNATURES = {
     "fma_peak": [_I64, _INT], "bf16_dot_peak": [_I64, _INT],
     "topk_f32": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _INT],
     "argmax_f32": [_PTR, _I64, _I64, _PTR, _INT],
+    "logprobs_f32": [_PTR, _I64, _I64, _PTR, _I64] + [_PTR] * 4 + [_INT],
     "draw_f32": [_PTR, _I64, _I64, _I64] + [_PTR] * 6 + [_INT],
     "redraw_f32": [_PTR, _I64, _I64] + [_PTR] * 7 + [_INT],
 }
@@ -459,6 +460,29 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     _kernel("argmax_f32")(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(),
                           torch.get_num_threads())
     return out
+
+
+def supports_logprobs(x: torch.Tensor, k: int) -> bool:
+    """Whether `logprobs` takes x [rows, n] with k alternatives: float32 on a CPU with the native
+    kernels, k at most TOPK_MAX."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
+            and 0 <= k <= min(TOPK_MAX, x.shape[1]) and load() is not None)
+
+
+def logprobs(x: torch.Tensor, tokens: torch.Tensor, k: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From raw logits x [rows, n] and a token a row: each token's log-probability (as
+    log_softmax gives it) and rank (1 + the tokens more likely), and each row's k most likely
+    tokens' log-probabilities and ids, best first. Call only where `supports_logprobs`."""
+    x, tokens = x.contiguous(), tokens.contiguous()
+    rows = x.shape[0]
+    chosen, ranks = torch.empty(rows), torch.empty(rows, dtype=torch.int64)
+    values, ids = torch.empty(rows, k), torch.empty(rows, k, dtype=torch.int64)
+    if _kernel("logprobs_f32")(x.data_ptr(), rows, x.shape[1], tokens.data_ptr(), k,
+                               chosen.data_ptr(), ranks.data_ptr(), values.data_ptr(),
+                               ids.data_ptr(), torch.get_num_threads()):
+        raise ValueError(f"logprobs wants 0 <= k <= {min(TOPK_MAX, x.shape[1])}, got {k}")
+    return chosen, ranks, values, ids
 
 
 def draw(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,

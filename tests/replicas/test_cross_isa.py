@@ -189,6 +189,15 @@ def test_topk_and_draw(cross: Cross) -> None:
     x[2, [900, 4000]] = 30.0  # ties: the first
     _, (_, best) = cross("argmax_f32", x, 3, 5000, torch.empty(3, dtype=torch.int64), THREADS)
     assert best.tolist() == x.argmax(-1).tolist() and best[2] == 900
+    tokens = torch.tensor([5, 1, 4000])
+    _, (*_, chosen, ranks, values, ids) = cross(
+        "logprobs_f32", x, 3, 5000, tokens, 5, torch.empty(3), torch.empty(3, dtype=torch.int64),
+        torch.empty(3, 5), torch.empty(3, 5, dtype=torch.int64), THREADS)
+    ref = x.log_softmax(-1)
+    torch.testing.assert_close(chosen, ref.gather(1, tokens.unsqueeze(1)).squeeze(1), atol=2e-5,
+                               rtol=0)
+    assert ranks.tolist() == ((x > x.gather(1, tokens.unsqueeze(1))).sum(1) + 1).tolist()
+    torch.testing.assert_close(values, ref.topk(5, dim=-1).values, atol=2e-5, rtol=0)
 
     # 40 draws of each row: the whole row, top_p 0.9, top_k 20
     rows = 3 * 40

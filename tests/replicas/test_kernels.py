@@ -422,6 +422,30 @@ def test_argmax_takes_the_first_of_equal_values_and_a_nan_first() -> None:
     assert kernels.argmax(x).tolist() == want == x.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("rows,n,k", [(32, 49152, 5), (3, 5003, 20), (2, 17, 0), (1, 300, 256)])
+def test_logprobs_match_log_softmax_its_ranks_and_topk(rows: int, n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(rows + n + k)
+    x = torch.randn(rows, n, generator=g) * 4
+    x[0, : n // 3] = float("-inf")  # masked tokens: no mass, ranked last
+    tokens = torch.randint(n // 3, n, (rows,), generator=g)
+    tokens[-1] = int(x[-1].argmax())  # the most likely: rank 1, the first alternative
+    assert kernels.supports_logprobs(x, k)
+    chosen, ranks, values, ids = kernels.logprobs(x, tokens, k)
+    ref = x.log_softmax(-1)
+    torch.testing.assert_close(chosen, ref.gather(1, tokens.unsqueeze(1)).squeeze(1),
+                               atol=2e-5, rtol=0)
+    assert torch.equal(ranks, (x > x.gather(1, tokens.unsqueeze(1))).sum(1) + 1)
+    assert int(ranks[-1]) == 1
+    want_values, want_ids = ref.topk(k, dim=-1)
+    finite = torch.isfinite(want_values)  # -inf ties may come in another order
+    assert torch.equal(ids[finite], want_ids[finite])
+    torch.testing.assert_close(values, want_values, atol=2e-5, rtol=0)
+    if k:  # the same arithmetic: the top token's value is its chosen value exactly
+        assert float(values[-1, 0]) == float(chosen[-1])
+    assert not kernels.supports_logprobs(x, kernels.TOPK_MAX + 1)
+    assert not kernels.supports_logprobs(x.bfloat16(), k)
+
+
 def _inverse_cdf64(logits: torch.Tensor, u: float) -> int | None:
     """The token the inverse transform gives for u over a row's logits, in float64; None where u
     lies too near a boundary for float32 sums to agree on it."""
