@@ -130,6 +130,7 @@ _SINGLE_SIGNATURES = {
     "topk_f32": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _INT],
     "argmax_f32": [_PTR, _I64, _I64, _PTR, _INT],
     "logprobs_f32": [_PTR, _I64, _I64, _PTR, _I64] + [_PTR] * 4 + [_INT],
+    "penalize_f32": [_PTR, _I64, _I64, _PTR, _I64] + [_PTR] * 5 + [_INT],
     "draw_f32": [_PTR, _I64, _I64, _I64] + [_PTR] * 6 + [_INT],
     "redraw_f32": [_PTR, _I64, _I64] + [_PTR] * 7 + [_INT],
 }
@@ -460,6 +461,20 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     _kernel("argmax_f32")(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(),
                           torch.get_num_threads())
     return out
+
+
+def penalize(x: torch.Tensor, ids: torch.Tensor, lens: torch.Tensor, out_start: torch.Tensor,
+             repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor) -> None:
+    """The repetition, frequency and presence penalties on x [rows, n] in place (contiguous):
+    ids [rows, width] int64 each row's prompt and output tokens (negative: padding), lens and
+    out_start [rows] int64, the penalties [rows] float32 (1, 0, 0: none). Call only where
+    `supports_draw`."""
+    args = [t.contiguous() for t in (ids, lens, out_start)]
+    args += [t.float().contiguous() for t in (repetition, frequency, presence)]
+    if _kernel("penalize_f32")(x.data_ptr(), x.shape[0], x.shape[1], args[0].data_ptr(),
+                               ids.shape[1], *(a.data_ptr() for a in args[1:]),
+                               torch.get_num_threads()):
+        raise MemoryError("penalize could not allocate its counters")
 
 
 def supports_logprobs(x: torch.Tensor, k: int) -> bool:

@@ -231,3 +231,18 @@ def test_topk_and_draw(cross: Cross) -> None:
                                 torch.empty(len(at), dtype=torch.uint8), THREADS)
     host_redrawn, _ = kernels.redraw(flat, at, host_tokens[at], k[at], p[at], mp[at], again[at])
     assert (redrawn == host_redrawn).float().mean() > 0.9
+
+
+def test_penalties(cross: Cross) -> None:
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(4, 700, generator=g) * 5
+    ids = torch.randint(0, 90, (4, 150), generator=g)
+    ids[1, 100:] = -1  # padding
+    lens, starts = torch.tensor([150, 100, 150, 0]), torch.tensor([20, 50, 150, 0])
+    rep, freq, pres = (torch.tensor([1.3, 0.8, 1.0, 1.2]), torch.tensor([0.4, -0.2, 0.9, 0.0]),
+                       torch.tensor([0.5, 1.1, 0.0, 0.3]))
+    failed, (got, *_) = cross("penalize_f32", x, 4, 700, ids, 150, lens, starts, rep, freq, pres,
+                              THREADS)
+    want = x.clone()
+    kernels.penalize(want, ids, lens, starts, rep, freq, pres)
+    assert failed == 0 and torch.equal(got, want) and not torch.equal(got, x)

@@ -166,7 +166,7 @@ def test_top_k_top_p_over_a_window_equals_the_full_sort() -> None:
     assert (~torch.isinf(got[4])).sum() > 4000  # the flat row's window widened to the row
 
 
-def test_penalties_change_only_the_seen_tokens_as_defined() -> None:
+def test_penalties_change_only_the_seen_tokens_as_defined(draw_path: str) -> None:
     from replicas.sampler import apply_penalties
     g = torch.Generator().manual_seed(6)
     vocab = 400
@@ -189,7 +189,30 @@ def test_penalties_change_only_the_seen_tokens_as_defined() -> None:
             n = list(s.output_token_ids).count(t)
             want[i, t] -= s.params.frequency_penalty * n + s.params.presence_penalty
     apply_penalties(logits, seqs)
-    torch.testing.assert_close(logits, want)
+    assert torch.equal(logits, want)  # the same float operations: the same bits
+
+
+def test_native_penalties_give_torchs_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not kernels.supports_draw(torch.zeros(1, 4)):
+        pytest.skip("no native kernels on this machine")
+    from replicas.sampler import apply_penalties
+    g = torch.Generator().manual_seed(8)
+    vocab, rows = 1000, 16
+    seqs = _seqs(rows)
+    for i, s in enumerate(seqs):
+        prompt = torch.randint(0, 50, (int(torch.randint(1, 300, (1,), generator=g)),),
+                               generator=g).tolist()  # repeats within and across prompt/output
+        out = torch.randint(0, 60, (i * 7,), generator=g).tolist()
+        s.params = SamplingParams(max_tokens=4, repetition_penalty=[1.0, 1.2, 0.9][i % 3],
+                                  frequency_penalty=[0.0, 0.4, -0.3, 1.5][i % 4],
+                                  presence_penalty=[0.0, 0.7, -1.1][i % 3])
+        s.token_ids, s.num_prompt_tokens = prompt + out, len(prompt)
+    logits = torch.randn(rows, vocab, generator=g) * 5
+    native = logits.clone()
+    apply_penalties(native, seqs)
+    monkeypatch.setattr(kernels, "supports_draw", lambda x: False)
+    apply_penalties(logits, seqs)
+    assert torch.equal(native, logits)
 
 
 def _wide(rows: int, vocab: int = 300) -> torch.Tensor:
