@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from replicas import prediction
+from replicas import kernels, prediction
 from replicas.executor import Executor
 from structured import bitmask as bitmask_lib
 from replicas.kv_cache import BlockManager
@@ -136,6 +136,15 @@ def _mrope_positions(seq: Sequence, start: int, end: int) -> np.ndarray | None:
         after = np.arange(max(start, n_prompt), end, dtype=np.int64) + seq.mrope.delta
         parts.append(np.broadcast_to(after, (3, len(after))))
     return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+
+
+def _apply_bitmask(logits: torch.Tensor, words: torch.Tensor, rows: list[int]) -> None:
+    """The guides' bitmask on the step's logits: in one native pass on CPUs (kernels:
+    structured's tensor operations took 4 ms a step for 32 rows of 49,152 logits)."""
+    if kernels.supports_draw(logits) and logits.is_contiguous():
+        kernels.apply_bitmask(logits, words, rows)
+    else:
+        bitmask_lib.apply_bitmask(logits, words, rows)
 
 
 def _internal_error(what: str, exc: Exception) -> EngineError:
@@ -539,7 +548,7 @@ class Engine:
         apply = None
         if bitmask is not None:
             words, rows = bitmask
-            apply = lambda logits: bitmask_lib.apply_bitmask(logits, words, rows)  # noqa: E731
+            apply = lambda logits: _apply_bitmask(logits, words, rows)  # noqa: E731
         batch = self.sampling_batch.params(sampling, out.logits.shape[1], out.logits.device)
         result = sample(out.logits, sampling, self.eos_ids, apply, batch)
         self._sampled = {seq.seq_id: token for seq, token in zip(sampling, result.token_ids)}

@@ -131,6 +131,7 @@ _SINGLE_SIGNATURES = {
     "argmax_f32": [_PTR, _I64, _I64, _PTR, _INT],
     "logprobs_f32": [_PTR, _I64, _I64, _PTR, _I64] + [_PTR] * 4 + [_INT],
     "penalize_f32": [_PTR, _I64, _I64, _PTR, _I64] + [_PTR] * 5 + [_INT],
+    "bitmask_f32": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _INT],
     "draw_f32": [_PTR, _I64, _I64, _I64] + [_PTR] * 6 + [_INT],
     "redraw_f32": [_PTR, _I64, _I64] + [_PTR] * 7 + [_INT],
 }
@@ -461,6 +462,21 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     _kernel("argmax_f32")(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(),
                           torch.get_num_threads())
     return out
+
+
+def apply_bitmask(x: torch.Tensor, words: torch.Tensor,
+                  rows: torch.Tensor | list[int] | None = None) -> None:
+    """structured.bitmask.apply_bitmask in one native pass: the disallowed tokens of x [B, n]'s
+    rows (None: all) to -inf in place, by words [B, W] int32 (bit t % 32 of word t // 32: token
+    t allowed; tokens past 32 W disallowed). Call only where `supports_draw` and x is
+    contiguous."""
+    rows = torch.arange(x.shape[0]) if rows is None else torch.as_tensor(rows, dtype=torch.int64)
+    words, rows = words.contiguous(), rows.contiguous()
+    if words.dim() != 2 or words.shape[0] != x.shape[0] or words.dtype != torch.int32:
+        raise ValueError(f"bitmask words {tuple(words.shape)} {words.dtype} do not fit logits "
+                         f"{tuple(x.shape)}")
+    _kernel("bitmask_f32")(x.data_ptr(), x.shape[1], words.data_ptr(), words.shape[1],
+                           rows.data_ptr(), rows.numel(), torch.get_num_threads())
 
 
 def penalize(x: torch.Tensor, ids: torch.Tensor, lens: torch.Tensor, out_start: torch.Tensor,

@@ -246,3 +246,15 @@ def test_penalties(cross: Cross) -> None:
     want = x.clone()
     kernels.penalize(want, ids, lens, starts, rep, freq, pres)
     assert failed == 0 and torch.equal(got, want) and not torch.equal(got, x)
+
+
+def test_bitmask(cross: Cross) -> None:
+    from structured.bitmask import apply_bitmask
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(3, 1000, generator=g)
+    mask = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, 30), dtype=torch.int32, generator=g)
+    mask[:, 0], mask[:, 1] = -1, 0
+    _, (got, *_) = cross("bitmask_f32", x, 1000, mask, 30, torch.tensor([0, 2]), 2, THREADS)
+    want = x.clone()
+    apply_bitmask(want, mask, [0, 2])
+    assert torch.equal(got, want)

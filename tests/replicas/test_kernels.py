@@ -446,6 +446,26 @@ def test_logprobs_match_log_softmax_its_ranks_and_topk(rows: int, n: int, k: int
     assert not kernels.supports_logprobs(x.bfloat16(), k)
 
 
+@pytest.mark.parametrize("rows,n,words,constrained", [(32, 49152, 1536, None), (5, 1000, 30, [0, 3]),
+                                                       (3, 70, 3, [2]), (2, 64, 1, None),
+                                                       (4, 100, 4, [])])
+def test_bitmask_gives_structureds_logits(rows: int, n: int, words: int,
+                                          constrained: list[int] | None) -> None:
+    """The native bitmask against structured's: the same -inf everywhere, words past the
+    vocabulary or short of it (tokens past 32 W disallowed), all-allowed and all-banned words."""
+    from structured.bitmask import apply_bitmask
+    g = torch.Generator().manual_seed(rows * n)
+    x = torch.randn(rows, n, generator=g)
+    mask = torch.randint(-2 ** 31, 2 ** 31 - 1, (rows, words), dtype=torch.int32, generator=g)
+    mask[:, 0] = -1  # every token of the word allowed
+    if words > 2:
+        mask[:, 1] = 0  # none
+    got, want = x.clone(), x.clone()
+    kernels.apply_bitmask(got, mask, constrained)
+    apply_bitmask(want, mask, constrained)
+    assert torch.equal(got, want)
+
+
 def _inverse_cdf64(logits: torch.Tensor, u: float) -> int | None:
     """The token the inverse transform gives for u over a row's logits, in float64; None where u
     lies too near a boundary for float32 sums to agree on it."""
