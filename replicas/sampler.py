@@ -80,7 +80,7 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence],
     batch = batch or BatchParams.of_seqs(seqs, vocab, dev)
     if kernels.supports_draw(logits) and logits.is_contiguous():
         # one native call over each row's seen tokens (kernels.penalize): the counts over the
-        # whole vocabulary and the full-row passes below took 0.4-1.6 ms a step at 32 rows
+        # whole vocabulary and the full-row passes below took 5-7 ms a step at 32 rows
         rows = len(seqs)
         kernels.penalize(
             logits, _padded_ids([s.token_ids for s in seqs], lambda r: -1, dev),
@@ -298,7 +298,7 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
                      top_n: list[int]) -> list[TokenLogprob]:
     """logits: [R, V], raw (before penalties, temperature and masks); token_ids: [R]; top_n[i]
     top alternatives for row i. On CPUs in native passes (kernels.logprobs: torch's
-    log_softmax, compare-and-sum and topk took 3-19 ms a step for 32 rows)."""
+    log_softmax, compare-and-sum and topk took 3-12 ms a step for 32 rows)."""
     k = max(top_n, default=0)
     top_vals = top_ids = None
     if kernels.supports_logprobs(logits, k):

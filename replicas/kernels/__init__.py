@@ -507,6 +507,9 @@ def logprobs(x: torch.Tensor, tokens: torch.Tensor, k: int
     tokens' log-probabilities and ids, best first. Call only where `supports_logprobs`."""
     x, tokens = x.contiguous(), tokens.contiguous()
     rows = x.shape[0]
+    if tokens.shape != (rows,) or (rows and not 0 <= int(tokens.min()) <= int(tokens.max())
+                                   < x.shape[1]):
+        raise ValueError(f"logprobs wants a token in [0, {x.shape[1]}) a row")
     chosen, ranks = torch.empty(rows), torch.empty(rows, dtype=torch.int64)
     values, ids = torch.empty(rows, k), torch.empty(rows, k, dtype=torch.int64)
     if _kernel("logprobs_f32")(x.data_ptr(), rows, x.shape[1], tokens.data_ptr(), k,

@@ -444,6 +444,8 @@ def test_logprobs_match_log_softmax_its_ranks_and_topk(rows: int, n: int, k: int
         assert float(values[-1, 0]) == float(chosen[-1])
     assert not kernels.supports_logprobs(x, kernels.TOPK_MAX + 1)
     assert not kernels.supports_logprobs(x.bfloat16(), k)
+    with pytest.raises(ValueError):  # a token past the row is refused, not read
+        kernels.logprobs(x, torch.full((rows,), n), k)
 
 
 @pytest.mark.parametrize("rows,n,words,constrained", [(32, 49152, 1536, None), (5, 1000, 30, [0, 3]),
