@@ -257,37 +257,23 @@ def test_a_seed_draws_the_same_token_through_rejections(draw_path: str) -> None:
     assert batch[1:21] == alone and len(set(alone)) > 5
 
 
-@pytest.mark.parametrize("top_k,top_p,want", [(0, 0.8, {7: 0.5 / 0.8, 8: 0.3 / 0.8}),
-                                              (2, 1.0, {7: 0.5 / 0.8, 8: 0.3 / 0.8}),
-                                              (3, 0.96, {7: 0.5 / 0.95, 8: 0.3 / 0.95,
-                                                         299: 0.15 / 0.95})])
+@pytest.mark.parametrize("params,want", [
+    (dict(top_p=0.8), {7: 0.5 / 0.8, 8: 0.3 / 0.8}),
+    (dict(top_k=2), {7: 0.5 / 0.8, 8: 0.3 / 0.8}),
+    (dict(top_k=3, top_p=0.96), {7: 0.5 / 0.95, 8: 0.3 / 0.95, 299: 0.15 / 0.95}),
+    # min_p keeps the tokens within its share of the largest's probability, before top_p
+    (dict(min_p=0.2), {7: 0.5 / 0.95, 8: 0.3 / 0.95, 299: 0.15 / 0.95}),
+    (dict(min_p=0.5), {7: 0.5 / 0.8, 8: 0.3 / 0.8}),
+    (dict(min_p=0.2, top_p=0.8), {7: 0.5 / 0.8, 8: 0.3 / 0.8})])
 def test_a_set_inside_the_window_is_drawn_with_its_renormalised_probabilities(
-        draw_path: str, top_k: int, top_p: float, want: dict[int, float]) -> None:
+        draw_path: str, params: dict, want: dict[int, float]) -> None:
     torch.manual_seed(4)
     rows = 20000
     # the rest of the mass spread thin over the other 297 tokens
     logits = _logits(rows, {7: 0.5, 8: 0.3, 299: 0.15, **{t: 0.05 / 297 for t in range(9, 299)},
                             **{t: 0.05 / 297 for t in range(7)}})
-    seqs = [Sequence(i, f"r{i}", 0, [1], 1, SamplingParams(max_tokens=4, top_k=top_k,
-                                                           top_p=top_p)) for i in range(rows)]
-    tokens = torch.tensor(sample(logits, seqs, frozenset()).token_ids)
-    assert set(tokens.unique().tolist()) == set(want)
-    freq = torch.bincount(tokens, minlength=300).float() / rows
-    torch.testing.assert_close(freq[list(want)], torch.tensor(list(want.values())), atol=0.015,
-                               rtol=0)
-
-
-@pytest.mark.parametrize("min_p,top_p,want", [(0.2, 1.0, {7: 0.5 / 0.95, 8: 0.3 / 0.95,
-                                                             299: 0.15 / 0.95}),
-                                               (0.5, 1.0, {7: 0.5 / 0.8, 8: 0.3 / 0.8}),
-                                               (0.2, 0.8, {7: 0.5 / 0.8, 8: 0.3 / 0.8})])
-def test_min_p_keeps_the_tokens_within_its_share_of_the_largest(
-        draw_path: str, min_p: float, top_p: float, want: dict[int, float]) -> None:
-    torch.manual_seed(5)
-    rows = 20000
-    logits = _logits(rows, {7: 0.5, 8: 0.3, 299: 0.15, 40: 0.05})
-    seqs = [Sequence(i, f"r{i}", 0, [1], 1, SamplingParams(max_tokens=4, min_p=min_p,
-                                                           top_p=top_p)) for i in range(rows)]
+    seqs = [Sequence(i, f"r{i}", 0, [1], 1, SamplingParams(max_tokens=4, **params))
+            for i in range(rows)]
     tokens = torch.tensor(sample(logits, seqs, frozenset()).token_ids)
     assert set(tokens.unique().tolist()) == set(want)
     freq = torch.bincount(tokens, minlength=300).float() / rows
