@@ -215,6 +215,28 @@ def test_native_penalties_give_torchs_bits(monkeypatch: pytest.MonkeyPatch) -> N
     assert torch.equal(native, logits)
 
 
+def test_logprobs_native_and_torch_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """compute_logprobs on CPUs (native passes) and as GPUs take it (log_softmax, topk): the
+    same tokens, ranks and alternatives, values within float32 rounding."""
+    from replicas.sampler import compute_logprobs
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(6, 3000, generator=g) * 4
+    tokens = torch.randint(0, 3000, (6,), generator=g)
+    top_n = [0, 1, 5, 20, 3, 20]
+    native = compute_logprobs(logits, tokens, top_n)
+    monkeypatch.setattr(kernels, "supports_logprobs", lambda x, k: False)
+    ref = compute_logprobs(logits, tokens, top_n)
+    for a, b, n in zip(native, ref, top_n):
+        assert (a.token_id, a.rank) == (b.token_id, b.rank) and len(a.top) == len(b.top) == n
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+        assert a.logprob == pytest.approx(b.logprob, abs=2e-5)
+        assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=2e-5)
+    best = compute_logprobs(logits[:1], logits[:1].argmax(-1), [3])[0]  # (torch's path here)
+    monkeypatch.undo()
+    mine = compute_logprobs(logits[:1], logits[:1].argmax(-1), [3])[0]
+    assert mine.rank == best.rank == 1 and mine.top[0] == (mine.token_id, mine.logprob)
+
+
 def _wide(rows: int, vocab: int = 300) -> torch.Tensor:
     """Rows whose top_p set reaches far past the sampler's first window of 64 logits."""
     g = torch.Generator().manual_seed(11)
