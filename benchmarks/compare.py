@@ -77,6 +77,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-timeout", type=float, default=300)
     p.add_argument("--result-json", type=Path)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float,
+                   help="every peer's requests at this temperature (0: greedy), the engine "
+                        "peer's and transformers-generate's too; unset: each server's default "
+                        "(the model's generation config, else 1), the engine peer 0.6")
 
 
 def _free_port() -> int:
@@ -184,9 +188,17 @@ def split_warmups(requests: list[BenchRequest], num_warmups: int
     return requests[:num_warmups], requests[num_warmups:]
 
 
+def client_config(base: str, model: str, args: argparse.Namespace,
+                  ignore_eos: bool) -> ClientConfig:
+    """How every request of a peer's load is sent (`--temperature` in each body where given)."""
+    return ClientConfig(base_url=base, model=model, ignore_eos=ignore_eos,
+                        extra_body=({} if args.temperature is None
+                                    else {"temperature": args.temperature}))
+
+
 async def _load(base: str, model: str, requests: list[BenchRequest],
                 args: argparse.Namespace, ignore_eos: bool, ours: bool) -> dict[str, Any]:
-    config = ClientConfig(base_url=base, model=model, ignore_eos=ignore_eos)
+    config = client_config(base, model, args, ignore_eos)
     warmups, measured = split_warmups(requests, args.num_warmups)
     clients = args.num_clients or auto_num_clients(args.concurrency, len(measured))
     async with StreamingClient(config) as client:
@@ -256,8 +268,11 @@ def static_generate(path: Path, requests: list[BenchRequest], args: argparse.Nam
             batch = tok(prompts[i:i + args.concurrency], return_tensors="pt", padding=True,
                         add_special_tokens=False)
             n = args.output_len
-            out = model.generate(**batch, max_new_tokens=n, min_new_tokens=n, do_sample=True,
-                                 temperature=1.0, pad_token_id=tok.pad_token_id)
+            temperature = 1.0 if args.temperature is None else args.temperature
+            sampled = {"do_sample": True, "temperature": temperature} if temperature else {
+                "do_sample": False}
+            out = model.generate(**batch, max_new_tokens=n, min_new_tokens=n,
+                                 pad_token_id=tok.pad_token_id, **sampled)
             out_tokens += (out.shape[1] - batch["input_ids"].shape[1]) * out.shape[0]
     elapsed = time.perf_counter() - started
     return {"output_throughput": out_tokens / elapsed, "duration": elapsed,
@@ -296,6 +311,8 @@ def engine_alone(path: Path, requests: list[BenchRequest], tokenizer: Any,
     kv_gib = cache_gib(flags.kv_cache_gib, torch.cuda.is_available())
     if kv_gib is not None:
         cmd += ["--kv-cache-gib", str(kv_gib)]
+    if args.temperature is not None:
+        cmd += ["--temperature", str(args.temperature)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=3600)
     result = json.loads(out.read_text())
     out.unlink()

@@ -45,6 +45,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--num-threads", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.6,
+                   help="the requests' sampling temperature (0: greedy)")
     p.add_argument("--core", choices=["in-process", "process"], default="in-process",
                    help="process: the engine core in a process of its own, as served (no Ray, "
                         "no HTTP); the floors below are then not measured")
@@ -152,7 +154,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         freeze_startup_heap()
     vocab = min(server.vocab_size, 3900)
     reqs = [GenerateRequest(f"b{k}", tuple(rng.randrange(10, vocab) for _ in range(i)),
-                            SamplingParams(max_tokens=o, temperature=0.6, ignore_eos=True))
+                            SamplingParams(max_tokens=o, temperature=args.temperature,
+                                           ignore_eos=True))
             for k, (i, o) in enumerate(lens)]
     warm = [GenerateRequest("warm", (11, 12, 13), SamplingParams(max_tokens=4, ignore_eos=True))]
     before, stats, elapsed = asyncio.run(_measure(server, warm, reqs))

@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.compare import (_serve_cmd, _variants, add_cli_args, engine_alone, split_warmups,
-                                table)
+from benchmarks.client import build_payload
+from benchmarks.compare import (_serve_cmd, _variants, add_cli_args, client_config, engine_alone,
+                                split_warmups, table)
+from benchmarks.datasets import BenchRequest
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -94,7 +96,8 @@ def test_the_engine_peer_runs_bench_engine_on_the_loads_shape() -> None:
     path = resolve_model_path(EMBEDDED_MODEL_ID)
     tokenizer = load_tokenizer(str(path))
     args = _args("--concurrency", "2", "--num-prompts", "3", "--num-warmups", "1",
-                 "--input-len", "12", "--output-len", "5", "--dtype", "float32")
+                 "--input-len", "12", "--output-len", "5", "--dtype", "float32",
+                 "--temperature", "0")  # greedy, as `bench engine --temperature 0` takes it
     requests = random_requests(4, 12, 5, tokenizer=tokenizer, seed=0)
     result = engine_alone(path, requests, tokenizer, args)
     assert result["completed"] == 3 and result["total_output_tokens"] == 15
@@ -192,3 +195,12 @@ def test_the_client_s_own_cpu_is_reported_per_output_token() -> None:
                                "client_cpu_s": 5.0, "total_output_tokens": 30000}]}
     assert table(results).splitlines()[-1] == (
         "shardserve: the client's 4 process(es) 4.0 s of CPU, 133 us per output token")
+
+
+def test_temperature_goes_in_every_request_body() -> None:
+    request = BenchRequest(prompt="hi", prompt_len=1, output_len=4)
+    greedy = build_payload(client_config("http://x", "m", _args("--temperature", "0"), True),
+                           request)
+    assert greedy["temperature"] == 0 and greedy["ignore_eos"] is True
+    assert "temperature" not in build_payload(client_config("http://x", "m", _args(), True),
+                                              request)
