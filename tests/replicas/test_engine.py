@@ -375,11 +375,13 @@ async def test_a_channel_carries_its_requests_one_message_per_step(unpaced: LLMS
         message = decode(await anext(channel))
         messages += 1
         for rid, batches in message.items():
-            assert len(batches) == 1  # one step's
             got[rid].extend(batches)
     assert [await c for c in calls] == [[Channeled(unpaced.replica_id)]] * 4
     assert [_tokens(got[f"ch-c{i}"]) for i in range(4)] == [_tokens(d[0]) for d in direct]
-    assert messages <= 16 + 2  # the four requests' steps together (prefills may split)
+    # the four requests' steps together (prefills may split), a step a message: the steps that
+    # came while this reader was behind go in one (Channel.take; under a 2-core suite's load
+    # now and then two), never a floor's worth, which would be a few messages for all 16
+    assert 8 <= messages <= 16 + 2
     # a request still on a channel that closes fails (its ingress can no longer get its tokens)
     long = asyncio.create_task(_collect_channeled(unpaced, GenerateRequest(
         "ch-long", prompts[0], dataclasses.replace(params, max_tokens=100)), "ingress-1"))
