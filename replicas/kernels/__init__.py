@@ -430,9 +430,8 @@ TOPK_MAX = 256
 
 
 def supports_topk(x: torch.Tensor, k: int) -> bool:
-    """Whether `topk` takes x [rows, n] for k: float32 on a CPU with the native kernels."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
-            and 0 < k <= min(TOPK_MAX, x.shape[1]) and load() is not None)
+    """Whether `topk` takes x [rows, n] for k: `supports_draw`'s rows, 0 < k <= TOPK_MAX."""
+    return supports_draw(x) and 0 < k <= min(TOPK_MAX, x.shape[1])
 
 
 def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -449,7 +448,8 @@ def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def supports_draw(x: torch.Tensor) -> bool:
-    """Whether `draw` takes x [rows, n]: float32 on a CPU with the native kernels."""
+    """Whether the sampler's row kernels (`draw`, `argmax`, `penalize`, `apply_bitmask`) take
+    x [rows, n]: float32 on a CPU with the native kernels."""
     return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
             and x.shape[1] > 0 and load() is not None)
 
@@ -494,10 +494,9 @@ def penalize(x: torch.Tensor, ids: torch.Tensor, lens: torch.Tensor, out_start: 
 
 
 def supports_logprobs(x: torch.Tensor, k: int) -> bool:
-    """Whether `logprobs` takes x [rows, n] with k alternatives: float32 on a CPU with the native
-    kernels, k at most TOPK_MAX."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
-            and 0 <= k <= min(TOPK_MAX, x.shape[1]) and load() is not None)
+    """Whether `logprobs` takes x [rows, n] with k alternatives: `supports_draw`'s rows,
+    0 <= k <= TOPK_MAX."""
+    return supports_draw(x) and 0 <= k <= min(TOPK_MAX, x.shape[1])
 
 
 def logprobs(x: torch.Tensor, tokens: torch.Tensor, k: int
