@@ -476,9 +476,21 @@ class Engine:
             self._fail(s.seq.request_id, exc)
 
     def _reap_aborted(self) -> None:
+        """Ends aborted requests. Each choice's output length is kept for a stop_choice still
+        on its way: an ingress that cut a choice at a stop string cancels the call when the
+        board's message has not ended it within STOP_DRAIN_S, so the abort can arrive first,
+        and the tokens generated past the stop must still leave the counters. A choice in a
+        step scheduled ahead is marked finished, so that step's token is not taken."""
         for request_id in self._aborted:
             for seq in self._requests.pop(request_id, []):
+                if not seq.is_finished:
+                    if seq.token_ids and seq.token_ids[-1] == PENDING:
+                        seq.token_ids.pop()
+                    seq.finish_reason, seq.status = "abort", SequenceStatus.FINISHED
                 self.scheduler.remove(seq)
+                self._finished_lengths[(request_id, seq.choice_index)] = seq.num_output_tokens
+                if len(self._finished_lengths) > FINISHED_LENGTHS_KEPT:
+                    self._finished_lengths.popitem(last=False)
             self._deadlines.pop(request_id, None)
         self._aborted.clear()
 

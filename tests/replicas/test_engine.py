@@ -537,6 +537,28 @@ async def test_stop_choice_ends_one_choice_and_takes_its_extra_tokens_off_the_co
     assert stats["generation_tokens"] - before == 10 and stats["num_used_blocks"] == 0
 
 
+async def test_a_stop_that_comes_after_the_abort_still_corrects_the_counter(
+        server: LLMServer) -> None:
+    """The ingress cut the choice at 4 tokens and, its stop message slow on the board's path,
+    cancelled the call: the abort reaches the engine first. The tokens made past the stop
+    still leave the generation counter when the stop comes (CI once counted 3 more tokens
+    than the clients got under load: tests/serve_app/test_stops.py)."""
+    before = (await server.fresh_stats())["generation_tokens"]
+    req = GenerateRequest("stop-after-abort", _prompts(1, seed=8)[0],
+                          SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+    gen = server.generate(req)
+    seen: list[int] = []
+    while len(seen) < 8:
+        seen += _tokens(list(await anext(gen)))
+    await gen.aclose()  # the abort
+    aborted = await _settled(server)
+    assert aborted["generation_tokens"] - before >= 8
+    server.stop_choice("stop-after-abort", 0, 4)
+    await asyncio.sleep(0.1)  # the core's loop applies it
+    stats = await _settled(server)
+    assert stats["generation_tokens"] - before == 4 and stats["num_used_blocks"] == 0
+
+
 async def test_arrivals_held_for_decode_steps_get_exactly_their_tokens() -> None:
     # max_waiting_steps (on by default only where decode steps are CUDA graphs): requests that
     # arrive beside decoding ones wait a few steps, then join, with the tokens they get alone
