@@ -237,6 +237,7 @@ class StreamingClient:
             expected_output_len=request.output_len,
             ttft=times[0] - start,
             itl=split_gaps(times, chunk_tokens if per_chunk_known else None, output_tokens),
+            event_gaps=tuple(b - a for a, b in zip(times, times[1:])),
             latency=times[-1] - start,
             start_time=start,
             generated_text="".join(texts),

@@ -10,10 +10,11 @@ of its own, whose Python `--vllm-python` names; README "Benchmarks" says how), a
 our own engine alone (`bench engine` in a subprocess: no HTTP, no Ray Serve) on prompts of the
 same templated length, the yardstick for what serving costs.
 
-`--rounds N` runs every peer N times, in the same order each round; the table gives each peer's
-median and, for each shardserve variant, the median of its per-round ratios, since on a noisy
-machine a peer's throughput moves by a quarter between rounds while a same-round ratio moves
-less."""
+`--rounds N` runs every peer N times, each round in the reverse order of the round before (A B,
+B A, A B, ...: `round_order`), so a box that speeds up or slows down over the run favours neither
+the peers that go first nor those that go last; the table gives each peer's median and, for each
+shardserve variant, the median of its per-round ratios, since on a noisy machine a peer's
+throughput moves by a quarter between rounds while a same-round ratio moves less."""
 
 from __future__ import annotations
 
@@ -335,14 +336,23 @@ def run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
     peers = [p.strip() for p in args.peers.split(",") if p.strip()] + list(_variants(args))
     results: dict[str, list[dict[str, Any]]] = {peer: [] for peer in peers}
     for round_ in range(args.rounds):
-        for peer in peers:
+        for peer in round_order(peers, round_):
             print(f"--- {peer}" + (f" (round {round_ + 1}/{args.rounds})"
                                    if args.rounds > 1 else ""), flush=True)
             results[peer].append(_one(peer, path, requests, tokenizer, args))
             print(json.dumps({k: results[peer][-1].get(k) for k in (
-                "output_throughput", "median_ttft_ms", "median_tpot_ms", "model_rss_mb")}),
+                "output_throughput", "median_ttft_ms", "median_tpot_ms", "median_event_gap_ms",
+                "model_rss_mb")}),
                   flush=True)
     return results
+
+
+def round_order(peers: list[str], round_: int) -> list[str]:
+    """The peers in round `round_`'s order (from 0): as given, then reversed, alternately. On
+    these 2-core boxes the speed drifts by 10-15% within minutes (one run's engine-alone rounds:
+    640 and 560 tok/s); with a fixed order the peer that always runs after another meets the
+    box a few minutes later each round, and a drift biases every same-round ratio one way."""
+    return list(peers) if round_ % 2 == 0 else list(reversed(peers))
 
 
 def _one(peer: str, path: Path, requests: list[BenchRequest], tokenizer: Any,
@@ -473,11 +483,14 @@ def table(results: dict[str, list[dict[str, Any]]]) -> str:
         return [r.get("output_throughput") or 0.0 for r in results[peer]]
     ours = [name for name in results if name.startswith("shardserve")]
     lines = [f"{'peer':<24}{'out tok/s':>12}{'TTFT p50 ms':>14}{'TPOT p50 ms':>14}"
+             f"{'event gap p50 ms':>18}"
              + "".join(f"{name + ' / peer':>28}" for name in ours)]
     for peer, runs in results.items():
         tput = _median(tputs(peer)) or 0.0
         ttft = _median([r["median_ttft_ms"] for r in runs if r.get("median_ttft_ms") is not None])
         tpot = _median([r["median_tpot_ms"] for r in runs if r.get("median_tpot_ms") is not None])
+        gap = _median([r["median_event_gap_ms"] for r in runs
+                       if r.get("median_event_gap_ms") is not None])
         cells = []
         for mine in ours:
             paired = [a / b for a, b in zip(tputs(mine), tputs(peer)) if a and b]
@@ -486,7 +499,8 @@ def table(results: dict[str, list[dict[str, Any]]]) -> str:
         ratios = "".join(cells)
         lines.append(f"{peer:<24}{tput:>12.1f}"
                      f"{(f'{ttft:.1f}' if ttft is not None else '-'):>14}"
-                     f"{(f'{tpot:.1f}' if tpot is not None else '-'):>14}{ratios}")
+                     f"{(f'{tpot:.1f}' if tpot is not None else '-'):>14}"
+                     f"{(f'{gap:.1f}' if gap is not None else '-'):>18}{ratios}")
     return "\n".join(lines + floors(results) + front_lines(results))
 
 

@@ -14,11 +14,14 @@ import numpy as np
 from benchmarks.records import RequestOutcome
 
 DEFAULT_PERCENTILES: tuple[float, ...] = (50.0, 90.0, 99.0)
-LATENCY_METRICS: tuple[str, ...] = ("ttft", "tpot", "itl", "e2el")
+LATENCY_METRICS: tuple[str, ...] = ("ttft", "tpot", "itl", "event_gap", "e2el")
 METRIC_TITLES: Mapping[str, str] = {
     "ttft": "Time to First Token",
     "tpot": "Time per Output Token (excl. 1st token)",
     "itl": "Inter-token Latency",
+    # ITL splits a chunk of k tokens into k equal parts; this is each chunk's own gap, what a
+    # reader of the stream waits (vllm bench serve's ITL, where every token is its own chunk)
+    "event_gap": "Gap between Streamed Events",
     "e2el": "End-to-end Latency",
 }
 # Metrics a goodput SLO may constrain (ITL is per token, not per request, so it is not one).
@@ -68,6 +71,7 @@ class BenchmarkMetrics:
     ttft: Distribution
     tpot: Distribution
     itl: Distribution
+    event_gap: Distribution
     e2el: Distribution
 
     def distribution(self, metric: str) -> Distribution:
@@ -205,5 +209,6 @@ def compute_metrics(
         ttft=Distribution.of([o.ttft for o in ok], percentiles),
         tpot=Distribution.of(tpots, percentiles),
         itl=Distribution.of(itls, percentiles),
+        event_gap=Distribution.of([gap for o in ok for gap in o.event_gaps], percentiles),
         e2el=Distribution.of([o.latency for o in ok], percentiles),
     )

@@ -32,6 +32,10 @@ class RequestOutcome:
     usage_reported: bool = False
     # Dataset label of the request (e.g. "random", "structured:regex").
     kind: str = ""
+    # The gaps between consecutive content chunks as they arrived, whatever each carried: what
+    # a reader of the stream sees (vllm bench serve's ITL). A server that groups tokens into
+    # fewer events has long event gaps under a short `itl`.
+    event_gaps: tuple[float, ...] = ()
 
     @property
     def tpot(self) -> float | None:
@@ -43,6 +47,7 @@ class RequestOutcome:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["itl"] = list(self.itl)
+        data["event_gaps"] = list(self.event_gaps)
         data["tpot"] = self.tpot
         return data
 
@@ -51,4 +56,5 @@ class RequestOutcome:
         known = {f for f in cls.__dataclass_fields__}
         kwargs = {k: v for k, v in data.items() if k in known}
         kwargs["itl"] = tuple(kwargs.get("itl", ()))
+        kwargs["event_gaps"] = tuple(kwargs.get("event_gaps", ()))
         return cls(**kwargs)

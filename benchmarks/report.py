@@ -49,7 +49,7 @@ def format_table(
     lines.append(_row("Peak concurrent requests:", metrics.max_concurrent_requests))
     for metric in LATENCY_METRICS:
         dist = metrics.distribution(metric)
-        name = metric.upper()
+        name = metric.upper().replace("_", " ")
         lines.append(_rule(METRIC_TITLES[metric]))
         lines.append(_row(f"Mean {name} (ms):", dist.mean))
         lines.append(_row(f"Median {name} (ms):", dist.median))

@@ -36,6 +36,7 @@ def test_chat_stream_timing_and_usage(fake_server: Any) -> None:
     assert all(gap > 0 for gap in out.itl)
     assert out.latency == pytest.approx(out.ttft + sum(out.itl), abs=1e-6)
     assert out.tpot == pytest.approx(sum(out.itl) / 4)
+    assert out.event_gaps == pytest.approx(out.itl)  # a token a chunk: the two agree
     body = fake_server.payloads[-1]
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert body["max_tokens"] == 5 and body["ignore_eos"] is True
@@ -55,6 +56,9 @@ def test_multi_token_chunks_are_split_evenly_without_per_chunk_usage(fake_server
     # 3 chunks (3+3+1 tokens), 2 gaps carrying the 6 tokens after the first.
     assert len(out.itl) == 6
     assert out.latency == pytest.approx(out.ttft + sum(out.itl), abs=1e-6)
+    # what a reader waited: the 2 gaps themselves, each three times an ITL part or more
+    assert len(out.event_gaps) == 2 and sum(out.event_gaps) == pytest.approx(sum(out.itl))
+    assert min(out.event_gaps) >= 2.9 * max(out.itl[:3])
 
 
 def test_continuous_usage_gives_exact_per_chunk_counts(fake_server: Any) -> None:

@@ -10,7 +10,7 @@ import torch
 
 from benchmarks.client import build_payload
 from benchmarks.compare import (_serve_cmd, _variants, add_cli_args, client_config, engine_alone,
-                                split_warmups, table)
+                                round_order, split_warmups, table)
 from benchmarks.datasets import BenchRequest
 
 
@@ -61,6 +61,17 @@ def test_warmups_are_not_measured() -> None:
     warmups, measured = split_warmups(requests, 2)
     assert len(warmups) == 2 and len(measured) == 64
     assert not {id(r) for r in warmups} & {id(r) for r in measured}
+
+
+def test_rounds_alternate_the_peers_order() -> None:
+    # a box that drifts over the run must not favour whichever peer always goes first
+    peers = ["engine", "shardserve", "vllm"]
+    orders = [round_order(peers, r) for r in range(4)]
+    assert orders == [peers, peers[::-1], peers, peers[::-1]]
+    assert peers == ["engine", "shardserve", "vllm"]  # the caller's list is left as it was
+    for a, b in (("engine", "shardserve"), ("shardserve", "vllm")):
+        firsts = [o.index(a) < o.index(b) for o in orders]
+        assert firsts.count(True) == firsts.count(False)
 
 
 def test_table_has_a_ratio_column_per_shardserve_run() -> None:

@@ -45,6 +45,18 @@ def test_distribution_matches_numpy_percentiles_in_ms() -> None:
     )
 
 
+def test_event_gaps_are_summarised_apart_from_the_split_itl() -> None:
+    # one chunk of 4 tokens after 0.4 s: ITL says 0.1 s four times, a reader waited 0.4 s once
+    grouped = RequestOutcome(True, 10, 5, 5, ttft=0.1, itl=(0.1,) * 4, latency=0.5,
+                             event_gaps=(0.4,))
+    m = compute_metrics([grouped], duration_s=1.0, percentiles=(50.0,))
+    assert m.itl.median == pytest.approx(100.0) and m.event_gap.median == pytest.approx(400.0)
+    summary = m.to_summary()
+    assert summary["median_event_gap_ms"] == pytest.approx(400.0)
+    assert summary["p50_event_gap_ms"] == pytest.approx(400.0)
+    assert RequestOutcome.from_dict(grouped.to_dict()) == grouped
+
+
 def test_empty_distribution_is_zeros() -> None:
     dist = Distribution.of([], (99.0,))
     assert (dist.count, dist.mean, dist.median, dist.percentiles) == (0, 0.0, 0.0, ((99.0, 0.0),))
