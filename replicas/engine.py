@@ -488,9 +488,7 @@ class Engine:
                         seq.token_ids.pop()
                     seq.finish_reason, seq.status = "abort", SequenceStatus.FINISHED
                 self.scheduler.remove(seq)
-                self._finished_lengths[(request_id, seq.choice_index)] = seq.num_output_tokens
-                if len(self._finished_lengths) > FINISHED_LENGTHS_KEPT:
-                    self._finished_lengths.popitem(last=False)
+                self._keep_length(seq)
             self._deadlines.pop(request_id, None)
         self._aborted.clear()
 
@@ -783,6 +781,12 @@ class Engine:
             seq.status = SequenceStatus.FINISHED
             self.scheduler.remove(seq)
 
+    def _keep_length(self, seq: Sequence) -> None:
+        """An ended choice's output length, for a stop_choice that may still come for it."""
+        self._finished_lengths[(seq.request_id, seq.choice_index)] = seq.num_output_tokens
+        if len(self._finished_lengths) > FINISHED_LENGTHS_KEPT:
+            self._finished_lengths.popitem(last=False)
+
     def _emit(self, seq: Sequence, tokens: tuple[int, ...], lp: TokenLogprob | None) -> None:
         if seq.request_id not in self._requests:
             return
@@ -796,9 +800,7 @@ class Engine:
         if accepted or rejected:
             seq.accepted_prediction = seq.rejected_prediction = 0
         if seq.is_finished:
-            self._finished_lengths[(seq.request_id, seq.choice_index)] = seq.num_output_tokens
-            if len(self._finished_lengths) > FINISHED_LENGTHS_KEPT:
-                self._finished_lengths.popitem(last=False)
+            self._keep_length(seq)
             seqs = self._requests.get(seq.request_id, [])
             if all(s.is_finished for s in seqs):
                 self._requests.pop(seq.request_id, None)
