@@ -487,20 +487,20 @@ def table(results: dict[str, list[dict[str, Any]]]) -> str:
              + "".join(f"{name + ' / peer':>28}" for name in ours)]
     for peer, runs in results.items():
         tput = _median(tputs(peer)) or 0.0
-        ttft = _median([r["median_ttft_ms"] for r in runs if r.get("median_ttft_ms") is not None])
-        tpot = _median([r["median_tpot_ms"] for r in runs if r.get("median_tpot_ms") is not None])
-        gap = _median([r["median_event_gap_ms"] for r in runs
-                       if r.get("median_event_gap_ms") is not None])
+
+        def latency(key: str, width: int) -> str:
+            """The median over the rounds that report `key`, or '-'."""
+            value = _median([r[key] for r in runs if r.get(key) is not None])
+            return f"{(f'{value:.1f}' if value is not None else '-'):>{width}}"
+        latencies = (latency("median_ttft_ms", 14) + latency("median_tpot_ms", 14)
+                     + latency("median_event_gap_ms", 18))
         cells = []
         for mine in ours:
             paired = [a / b for a, b in zip(tputs(mine), tputs(peer)) if a and b]
             ratio = _median(paired)
             cells.append(f"{(f'{ratio:.2f}x' if ratio else '-'):>28}")
         ratios = "".join(cells)
-        lines.append(f"{peer:<24}{tput:>12.1f}"
-                     f"{(f'{ttft:.1f}' if ttft is not None else '-'):>14}"
-                     f"{(f'{tpot:.1f}' if tpot is not None else '-'):>14}"
-                     f"{(f'{gap:.1f}' if gap is not None else '-'):>18}{ratios}")
+        lines.append(f"{peer:<24}{tput:>12.1f}{latencies}{ratios}")
     return "\n".join(lines + floors(results) + front_lines(results))
 
 
