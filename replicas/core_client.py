@@ -35,7 +35,6 @@ from replicas.request import RETRY_AFTER_S, EngineError, GenerateRequest, TokenB
 logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 900.0  # loading a big model from a slow disk
-SPIN_COUNT = 10_000  # libgomp's spins before an idle OpenMP thread sleeps (default 300,000)
 MAX_RESTARTS, RESTART_WINDOW_S = 5, 300.0
 # a core silent this long (six heartbeats) gets no new requests from the routers while another
 # replica takes them; it is killed only after `core_silence_s`
@@ -298,13 +297,11 @@ class ProcessCore:
         env = dict(os.environ)
         # the core imports what this process imports (a Ray job's working_dir and py_modules)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        # OpenMP threads spin briefly at the end of a parallel region (~0.1 ms), then sleep:
-        # a decode step is hundreds of regions back to back, and waking sleeping threads for
-        # each doubled a single-stream step (6.6 -> 13.2 ms); spinning without end (libgomp's
-        # default spins for milliseconds) took the CPU the ingress needed on 2 cores (a burst's
-        # refusals in 6.6 s instead of 3). The environment's own settings win.
-        if "OMP_WAIT_POLICY" not in env:
-            env.setdefault("GOMP_SPINCOUNT", str(SPIN_COUNT))
+        # No GOMP_SPINCOUNT of ours: libgomp's default spin (300,000 rounds, milliseconds) keeps
+        # the OpenMP threads awake across a step's Python. A core spinning 10,000 rounds slept
+        # and was woken several times a step: served single-stream TPOT 1.1-1.4x (2-core Zen 4,
+        # three alternating pairs), 32 streams no faster, and a burst's refusals came within
+        # the same bound (benchmarks/RESULTS.md, 2026-12-02).
         proc = subprocess.Popen(
             [sys.executable, "-m", "replicas.engine_core", "--spec", spec_file,
              "--input", in_addr, "--output", out_addr, "--parent", str(os.getpid())],
