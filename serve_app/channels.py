@@ -46,6 +46,9 @@ class Subscription:
         self.request_id = request_id
         self.call: Any = None
         self.replica: str | None = None
+        # set once `replica` is known, or once the call has ended without naming it: a
+        # channeled request's first batches can come before its call's `Channeled` does
+        self.replica_known = asyncio.Event()
         self.box = Outbox()
         self.box.min_tokens = min_tokens
         self._unfinished = n
@@ -81,14 +84,18 @@ class Subscription:
                 if isinstance(item, Channeled):
                     channeled = True
                     self.replica = item.replica
+                    self.replica_known.set()
                     continue
                 if self.replica is None and item:
                     self.replica = item[0].replica
+                    self.replica_known.set()
                 self._put(item)
             if not channeled:
                 self.box.put(_End())
         except Exception as exc:  # noqa: BLE001 (the call's failure is the request's)
             self.box.put(exc)
+        finally:
+            self.replica_known.set()
 
     def __aiter__(self) -> Subscription:
         return self

@@ -127,8 +127,10 @@ class Generation:
     A choice this side ends at a stop string is ended on its replica too (`stop_choice` through
     the status board, which names the tokens the client got), rather than by cancelling the
     call: the replica then frees that choice's row while the others go on, and takes the tokens
-    it generated past the stop back out of its counters. The call then ends by itself; it is
-    cancelled only if it does not within STOP_DRAIN_S, or the board is unreachable."""
+    it generated past the stop back out of its counters. A stop found before the replica is
+    known (a channeled request's first batches can come before its call names the replica) is
+    sent once it is. The call then ends by itself; it is cancelled only if it does not within
+    STOP_DRAIN_S, or the board is unreachable."""
 
     def __init__(self, call: Subscription, first: tuple[TokenBatch, ...], request_id: str,
                  board: BoardReader) -> None:
@@ -167,6 +169,7 @@ class Generation:
         expiry = loop.call_at(loop.time() + timeout, self.call.expire)
         batches_in = aiter(self)
         ended = drain = finished = False
+        unsent: list[ChoiceState] = []  # stopped here, the replica not yet told
         try:
             while True:
                 try:
@@ -177,18 +180,19 @@ class Generation:
                 for b in batches:
                     st = states[b.choice_index]
                     delta = st.on_batch(b)
-                    if st.stopped_at is not None and not st.stop_sent:
-                        st.stop_sent = self._stop_choice(st.index, st.stopped_at)
+                    if st.stopped_at is not None and not st.stop_sent and st not in unsent:
+                        unsent.append(st)
                     if delta is not None:
                         yield st, delta
+                if unsent:
+                    unsent = self._send_stops(unsent)
                 if all(s.done for s in states):
-                    # stopped choices the replica was told of end its stream by themselves
-                    stopped = [s for s in states if s.stopped_at is not None]
-                    drain = bool(stopped) and all(s.stop_sent for s in stopped)
+                    # stopped choices the replica is told of end its stream by themselves
+                    drain = any(s.stopped_at is not None for s in states)
                     # every choice ended on the replica: its call ends by itself, and a
                     # cancel would be one more RPC each way (8% of the ingress's CPU per
                     # request)
-                    finished = not stopped
+                    finished = not drain
                     break
         except TimeoutError:
             raise APIError(f"the request took longer than its {timeout:g} s timeout", 408,
@@ -201,7 +205,7 @@ class Generation:
             expiry.cancel()
             if drain:
                 # off the response: the client has its answer already
-                task = loop.create_task(self._drain(batches_in))
+                task = loop.create_task(self._drain(batches_in, unsent))
                 _DRAINS.add(task)
                 task.add_done_callback(_DRAINS.discard)
             elif not ended:
@@ -212,16 +216,27 @@ class Generation:
                 with contextlib.suppress(Exception):
                     await batches_in.aclose()
 
-    def _stop_choice(self, choice: int, kept: int) -> bool:
-        if self.replica is None:
-            return False
-        return self.board.stop_choice(self.replica, self.request_id, choice, kept)
+    def _send_stops(self, unsent: list[ChoiceState]) -> list[ChoiceState]:
+        """Tells the replica (once known) where these choices stopped; those it could not."""
+        replica = self.replica
+        if replica is None:
+            return unsent
+        for st in unsent:
+            st.stop_sent = self.board.stop_choice(replica, self.request_id, st.index,
+                                                  st.stopped_at)
+        return [st for st in unsent if not st.stop_sent]
 
-    async def _drain(self, batches_in: AsyncIterator[tuple[TokenBatch, ...]]) -> None:
-        """Reads the call to its end (the replica finishing the stopped choices), or cancels it
-        after STOP_DRAIN_S."""
+    async def _drain(self, batches_in: AsyncIterator[tuple[TokenBatch, ...]],
+                     unsent: list[ChoiceState]) -> None:
+        """Tells the replica of the stops it has not heard of once it is known, then reads the
+        call to its end (the replica finishing the stopped choices); cancels it when a stop
+        cannot be sent, or after STOP_DRAIN_S."""
         try:
             async with asyncio.timeout(STOP_DRAIN_S):
+                if unsent:
+                    await self.call.replica_known.wait()
+                    if self._send_stops(unsent):
+                        raise LookupError("the status board or the replica is unknown")
                 async for _ in batches_in:
                     pass
         except Exception:  # noqa: BLE001 (a timeout or a failure: either way, cancel)

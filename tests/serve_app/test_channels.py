@@ -221,6 +221,55 @@ async def test_a_request_whose_choices_all_ended_leaves_its_call_to_end_by_itsel
         call.queue.put_nowait(None)
 
 
+class _StoppingChoice(_Choice):
+    """Stops (as a stop string would) at token 9: done, the client keeps what came before."""
+
+    def on_batch(self, b: TokenBatch) -> tuple[int, ...]:
+        if 9 in b.token_ids:
+            self.done, self.stopped_at = True, b.token_ids.index(9)
+            return b.token_ids[:self.stopped_at]
+        return super().on_batch(b)
+
+
+class _Board:
+    def __init__(self) -> None:
+        self.stops: list[tuple[str, str, int, int]] = []
+
+    def stop_choice(self, replica: str, request_id: str, choice: int, kept: int) -> bool:
+        self.stops.append((replica, request_id, choice, kept))
+        return True
+
+
+async def test_a_stop_found_before_the_replica_is_known_is_sent_once_it_is() -> None:
+    """A channeled request's first batches can come before its call names the replica: a stop
+    string found in them still reaches the replica, which ends the choice and takes the tokens
+    past the stop off its counters (the call is not cancelled, which would leave them there)."""
+    from serve_app.ingress import Generation
+
+    for n in (1, 2):
+        board = _Board()
+        hub, sub, call = subscribed(n=n)
+        sub.from_channel(tuple(batch(i, 1, 9, 2) for i in range(n)))  # choice 0 stops at 9
+        gen = Generation(sub, await anext(sub), "r1", board=board)  # type: ignore[arg-type]
+        states = [_StoppingChoice(0)] + [_Choice(i) for i in range(1, n)]
+        deltas = gen.deltas(states, timeout=5.0)
+        assert [d async for _, d in _take(deltas, n)] == [(1,)] + [(1, 9, 2)] * (n - 1)
+        assert board.stops == []  # the replica is not known yet
+        call.queue.put_nowait(Channeled("replica-a"))
+        if n == 2:
+            sub.from_channel((batch(1, 3, finish="length"),))
+        assert [d async for _, d in deltas] == [(3,)] * (n - 1)
+        for _ in range(3):
+            await asyncio.sleep(0)  # the drain
+        assert board.stops == [("replica-a", "r1", 0, 1)]
+        assert not call.cancelled
+        sub.from_channel((batch(0, 4, finish="stop"),))  # the replica ends the choice
+        call.queue.put_nowait(None)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert not call.cancelled and hub.subscriptions == {}
+
+
 async def test_the_timeout_fires_where_the_stream_waits_after_what_came_before_it() -> None:
     """One timer a request: at its end the batches that arrived first are still delivered, then
     the wait for the next one is a 408 and the call is cancelled, so the replica frees it."""
