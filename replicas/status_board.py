@@ -185,7 +185,7 @@ class BoardReader:
         self.draining = False
         self.ingresses: Ingresses = {}
         self.read_at = 0.0  # time.time() of the last successful read
-        self.board: Any = None  # the board's actor handle, once found
+        self.board: Any = None  # the board's actor handle, the last one found
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -205,7 +205,9 @@ class BoardReader:
                 raise
             except Exception as exc:
                 logger.debug("status board read failed: %s", exc)
-                board = self.board = None
+                # found again next time; stop messages still go to the last one found meanwhile
+                # (a read that timed out under load leaves the board where it was)
+                board = None
             await asyncio.sleep(REPORT_PERIOD_S)
 
     def stop_choice(self, replica: str, request_id: str, choice: int, kept: int) -> bool:
@@ -213,7 +215,11 @@ class BoardReader:
         output tokens; False when the board is not reachable now."""
         if self.board is None:
             return False
-        self.board.stop_choice.remote(replica, request_id, choice, kept)
+        try:
+            self.board.stop_choice.remote(replica, request_id, choice, kept)
+        except Exception as exc:  # noqa: BLE001 (Ray shutting down: the caller cancels instead)
+            logger.debug("stop message not sent: %s", exc)
+            return False
         return True
 
     def fresh(self, model: str) -> list[dict[str, Any]]:

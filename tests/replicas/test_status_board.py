@@ -52,3 +52,43 @@ def test_health_needs_a_running_ingress_and_a_healthy_replica_of_each_of_its_mod
     reader.ingresses = {"i1": (now, ("a",))}
     reader.draining = True
     assert reader.why_unhealthy() == "the server is shutting down"
+
+
+class _Method:
+    def __init__(self, fn) -> None:  # noqa: ANN001
+        self.remote = fn
+
+
+class _SlowBoard:
+    """A board whose reads time out (its process busy) and that takes stop messages."""
+
+    def __init__(self) -> None:
+        self.stops: list[tuple] = []
+        self.read = _Method(self._read)
+        self.stop_choice = _Method(lambda *args: self.stops.append(args))
+
+    async def _read(self, *args: object) -> None:
+        raise TimeoutError
+
+
+async def test_a_failed_read_leaves_stop_messages_a_board_to_go_to(monkeypatch) -> None:  # noqa: ANN001
+    """A read that times out under load is retried; a stop string found meanwhile still reaches
+    the replica (otherwise the ingress cancels the call, and the tokens generated past the stop
+    stay in the counters)."""
+    import asyncio
+    import contextlib
+
+    from replicas import status_board
+
+    board = _SlowBoard()
+    monkeypatch.setattr(status_board, "get_board", lambda app: board)
+    reader = BoardReader("app")
+    assert not reader.stop_choice("replica-a", "r1", 0, 3)  # never found yet
+    reader.start()
+    await asyncio.sleep(0.05)  # the first read has failed
+    assert reader.read_at == 0.0
+    assert reader.stop_choice("replica-a", "r1", 0, 3)
+    assert board.stops == [("replica-a", "r1", 0, 3)]
+    reader._task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await reader._task
