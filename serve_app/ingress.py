@@ -169,7 +169,7 @@ class Generation:
         expiry = loop.call_at(loop.time() + timeout, self.call.expire)
         batches_in = aiter(self)
         ended = drain = finished = False
-        unsent: list[ChoiceState] = []  # stopped here, the replica not yet told
+        pending = False  # a choice stopped here whose replica has not been told
         try:
             while True:
                 try:
@@ -180,12 +180,12 @@ class Generation:
                 for b in batches:
                     st = states[b.choice_index]
                     delta = st.on_batch(b)
-                    if st.stopped_at is not None and not st.stop_sent and st not in unsent:
-                        unsent.append(st)
+                    if st.stopped_at is not None and not st.stop_sent:
+                        pending = True
                     if delta is not None:
                         yield st, delta
-                if unsent:
-                    unsent = self._send_stops(unsent)
+                if pending:
+                    pending = not self._send_stops(states)
                 if all(s.done for s in states):
                     # stopped choices the replica is told of end its stream by themselves
                     drain = any(s.stopped_at is not None for s in states)
@@ -205,7 +205,7 @@ class Generation:
             expiry.cancel()
             if drain:
                 # off the response: the client has its answer already
-                task = loop.create_task(self._drain(batches_in, unsent))
+                task = loop.create_task(self._drain(batches_in, states))
                 _DRAINS.add(task)
                 task.add_done_callback(_DRAINS.discard)
             elif not ended:
@@ -216,26 +216,27 @@ class Generation:
                 with contextlib.suppress(Exception):
                     await batches_in.aclose()
 
-    def _send_stops(self, unsent: list[ChoiceState]) -> list[ChoiceState]:
-        """Tells the replica (once known) where these choices stopped; those it could not."""
+    def _send_stops(self, states: list[ChoiceState]) -> bool:
+        """Tells the replica (once known) of each choice stopped here that it has not heard of;
+        whether it now knows of them all."""
+        unsent = [st for st in states if st.stopped_at is not None and not st.stop_sent]
         replica = self.replica
-        if replica is None:
-            return unsent
-        for st in unsent:
-            st.stop_sent = self.board.stop_choice(replica, self.request_id, st.index,
-                                                  st.stopped_at)
-        return [st for st in unsent if not st.stop_sent]
+        if replica is not None:
+            for st in unsent:
+                st.stop_sent = self.board.stop_choice(replica, self.request_id, st.index,
+                                                      st.stopped_at)
+        return all(st.stop_sent for st in unsent)
 
     async def _drain(self, batches_in: AsyncIterator[tuple[TokenBatch, ...]],
-                     unsent: list[ChoiceState]) -> None:
+                     states: list[ChoiceState]) -> None:
         """Tells the replica of the stops it has not heard of once it is known, then reads the
         call to its end (the replica finishing the stopped choices); cancels it when a stop
         cannot be sent, or after STOP_DRAIN_S."""
         try:
             async with asyncio.timeout(STOP_DRAIN_S):
-                if unsent:
+                if not self._send_stops(states):
                     await self.call.replica_known.wait()
-                    if self._send_stops(unsent):
+                    if not self._send_stops(states):
                         raise LookupError("the status board or the replica is unknown")
                 async for _ in batches_in:
                     pass
