@@ -7,7 +7,9 @@ values; in bf16 it is `linear_bf16` (AVX512-BF16 builds) against torch's bf16 F.
 layer of the step is multiplied in turn (each weight from memory, as in a decode step), and the
 kernels' ISA build is the one `SHARDSERVE_ISA` or the CPU selects. The box's peak is measured
 first with a register-only loop of the same build (`kernels.fma_peak_gflops`: float32 FMAs, or
-in bf16 the `vdpbf16ps` dot products), and each row count's share of it reported."""
+in bf16 the `vdpbf16ps` dot products, or AMX's tile products in an `amx_bf16` build), and each row
+count's share of it reported. On tiles the decode batches are memory-bound (the weights' GB/s
+column is then the one to read)."""
 
 from __future__ import annotations
 
@@ -118,6 +120,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "layers": config.num_hidden_layers, "rows": rows_out}
 
 
+def _peak_name(result: dict[str, Any]) -> str:
+    if result["dtype"] != "bfloat16":
+        return "float32 FMA"
+    return "AMX tile" if result["isa"] == "amx_bf16" else "vdpbf16ps"
+
+
 def _cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -132,7 +140,7 @@ def run_cli(args: argparse.Namespace) -> int:
     result = run(args)
     print(f"{result['model']}: all {result['layers']} layers' projections, {result['dtype']}, "
           f"ISA {result['isa']}, {result['threads']} threads, {result['cpu']}; "
-          f"{'vdpbf16ps' if result['dtype'] == 'bfloat16' else 'float32 FMA'} "
+          f"{_peak_name(result)} "
           f"peak {result['fma_peak_gflops']:.1f} GFLOP/s")
     print(f"{'rows':>6}{'native ms':>11}{'torch ms':>10}{'native GF/s':>13}{'torch GF/s':>12}"
           f"{'native GB/s':>13}{'torch GB/s':>12}{'speedup':>9}{'of peak':>9}")

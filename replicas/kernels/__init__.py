@@ -19,7 +19,7 @@ products, as llama.cpp does) (`linear_q`).
 those kernels (`llama_layers`, bf16 or float32).
 
 The library is compiled with the machine's C compiler (`$CC`, else `cc`) once per ISA level
-(`isa.py`: AVX512-BF16, AVX-512, AVX2, SVE, NEON, portable), the level chosen at run time from
+(`isa.py`: AMX-BF16, AVX512-BF16, AVX-512, AVX2, SVE, NEON, portable), the level chosen at run time from
 what the CPU reports or `$SHARDSERVE_ISA`, and cached under
 `$SHARDSERVE_CACHE/kernels/<level>-<hash of sources and flags>`; the build is atomic, so
 concurrent replicas on one node race harmlessly. Without a compiler (or with
@@ -126,7 +126,7 @@ _SINGLE_SIGNATURES = {
     "linear_q": [_PTR] * 4 + [_I64] * 3 + [_INT], "linear_q_activations": [],
     "linear_q_set_activations": [_INT],
     "llama_layers_bf16": _LAYERS, "llama_layers_f32": _LAYERS, "llama_layers_q": _LAYERS,
-    "fma_peak": [_I64, _INT], "bf16_dot_peak": [_I64, _INT],
+    "fma_peak": [_I64, _INT], "bf16_dot_peak": [_I64, _INT], "amx_bf16_peak": [_I64, _INT],
     "topk_f32": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _INT],
     "argmax_f32": [_PTR, _I64, _I64, _PTR, _INT],
     "logprobs_f32": [_PTR, _I64, _I64, _PTR, _I64] + [_PTR] * 4 + [_INT],
@@ -343,6 +343,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
         raise ValueError(f"linear: a packed weight {tuple(packed.shape)} does not take "
                          f"{k} input features to {out_features}")
     out, failed = _packed_linear("linear_bf16", x, packed, out_features, bias)
+    if failed == 2:
+        raise MemoryError("linear could not allocate its copy of a ragged block of rows")
     if failed:
         raise RuntimeError("this build has no AVX512-BF16 to multiply packed weights with")
     return out
@@ -560,9 +562,10 @@ def redraw(x: torch.Tensor, at: torch.Tensor, tokens: torch.Tensor, top_k: torch
 
 def fma_peak_gflops(seconds: float = 1.0, dtype: torch.dtype = torch.float32) -> float:
     """This build's peak on torch's thread count, GFLOP/s, from a register-only loop: float32
-    FMAs, or for bf16 AVX512-BF16 dot products (0 on a build without them). The ceiling the
-    linear kernels are measured against."""
-    fn = _kernel("bf16_dot_peak" if dtype == torch.bfloat16 else "fma_peak")
+    FMAs, or for bf16 AVX512-BF16 dot products, or AMX tile products in an AMX build (0 on a
+    build without them). The ceiling the linear kernels are measured against."""
+    fn = _kernel("fma_peak" if dtype != torch.bfloat16 else
+                 "amx_bf16_peak" if isa.selected() == "amx_bf16" else "bf16_dot_peak")
     threads, iterations = torch.get_num_threads(), 1 << 20
     while True:
         started = time.perf_counter()

@@ -6,6 +6,9 @@ written with GCC vector extensions and intrinsics guarded by the compiler's feat
 each build vectorises for its own registers (16 lanes of float32 on AVX-512, 8 on AVX2, 4 on
 NEON and in the portable build's SSE2 or baseline vectors). The levels, best first:
 
+- `amx_bf16`: `avx512_bf16` plus AMX's bf16 tile multiply (Sapphire Rapids and later Xeons),
+  where Linux grants the process the tile state (5.16 and later): bf16 compute, the linears on
+  tiles.
 - `avx512_bf16`: AVX-512 with BF16 (and VNNI) dot products (Cooper Lake, Sapphire Rapids and
   later, AMD Zen 4 and later): bf16 compute.
 - `avx512`: x86-64-v4 (AVX-512 F/BW/DQ/VL) without BF16: float32 compute.
@@ -18,6 +21,7 @@ dot products, float32 elsewhere (bf16 arithmetic without them costs ~5x float32 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 from functools import cache
@@ -29,6 +33,8 @@ ENV = "SHARDSERVE_ISA"
 
 # the compiler's target flags for each level
 FLAGS: dict[str, tuple[str, ...]] = {
+    "amx_bf16": ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16",
+                 "-mtune=generic"),
     "avx512_bf16": ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mtune=generic"),
     "avx512": ("-march=x86-64-v4", "-mtune=generic"),
     "avx2": ("-march=x86-64-v3", "-mtune=generic"),
@@ -36,7 +42,7 @@ FLAGS: dict[str, tuple[str, ...]] = {
     "neon": ("-march=armv8-a",),
     "portable": (),
 }
-X86 = ("avx512_bf16", "avx512", "avx2", "portable")
+X86 = ("amx_bf16", "avx512_bf16", "avx512", "avx2", "portable")
 ARM = ("sve", "neon", "portable")
 
 # what /proc/cpuinfo must list for each level (x86-64-v3 and -v4 as the psABI defines them)
@@ -49,6 +55,26 @@ _NEEDS = {
 }
 # every CPU with AVX512-BF16 (Cooper Lake, Sapphire Rapids, Zen 4) has AVX512-VNNI too
 _NEEDS["avx512_bf16"] = _NEEDS["avx512"] | {"avx512_bf16", "avx512_vnni"}
+_NEEDS["amx_bf16"] = _NEEDS["avx512_bf16"] | {"amx_tile", "amx_bf16"}
+# the levels whose bf16 compute has bf16 dot products (`compute_dtype`)
+BF16_DOT_LEVELS = ("amx_bf16", "avx512_bf16", "sve")
+
+# Linux's arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): a process uses AMX's tiles only
+# after asking for their state (the first tile instruction otherwise kills it with SIGILL)
+_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
+
+
+@cache
+def amx_permitted() -> bool:
+    """Asks Linux for this process's AMX tile state; whether it was granted (the grant is the
+    process's, for every thread, and asking again is harmless)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def cpu_flags() -> frozenset[str]:
@@ -64,12 +90,16 @@ def cpu_flags() -> frozenset[str]:
 
 
 def levels(flags: frozenset[str] | None = None, machine: str | None = None) -> tuple[str, ...]:
-    """Every level this CPU runs, best first (`portable` always last)."""
+    """Every level this CPU runs, best first (`portable` always last). For this machine's own
+    CPU (no `flags` given) `amx_bf16` also needs the kernel's grant of the tile state."""
+    this_cpu = flags is None
     flags = cpu_flags() if flags is None else flags
     machine = (machine or platform.machine()).lower()
     order = X86 if machine in ("x86_64", "amd64") else ARM if machine in (
         "aarch64", "arm64") else ("portable",)
-    return tuple(level for level in order if level == "portable" or _NEEDS[level] <= flags)
+    return tuple(level for level in order if level == "portable" or (
+        _NEEDS[level] <= flags and not (level == "amx_bf16" and this_cpu
+                                        and not amx_permitted())))
 
 
 @cache
@@ -89,4 +119,4 @@ def selected() -> str:
 
 def compute_dtype(level: str | None = None) -> torch.dtype:
     """What a bf16 or fp16 checkpoint computes in on a CPU of this level under `--dtype auto`."""
-    return torch.bfloat16 if (level or selected()) in ("avx512_bf16", "sve") else torch.float32
+    return torch.bfloat16 if (level or selected()) in BF16_DOT_LEVELS else torch.float32

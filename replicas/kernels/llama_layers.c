@@ -86,19 +86,19 @@ static int layers(const Ops *ops, const Layer *layers, int64_t num_layers, const
         } else {
             ops->norm(out, residual, w->input_norm, eps, h, T, hidden, num_threads);
         }
-        ops->linear(h, w->qkv, w->qkv_bias, qkv, T, width, hidden, num_threads);
+        failed |= ops->linear(h, w->qkv, w->qkv_bias, qkv, T, width, hidden, num_threads);
         ops->rope(qkv, cos, sin, slots, w->k_cache, w->v_cache, T, heads, kv_heads, head_dim,
                   cache_slots, num_threads);
         for (int64_t t = 0; t < T; t++)
             memcpy(q + e * t * q_dim, qkv + e * t * width, e * (size_t)q_dim);
-        failed = ops->attention(q, w->k_cache, w->v_cache, tables, lens, attn, T, heads,
+        failed |= ops->attention(q, w->k_cache, w->v_cache, tables, lens, attn, T, heads,
                                 kv_heads, head_dim, cache_slots / block_size, block_size,
                                 max_blocks, scale, num_threads);
-        ops->linear(attn, w->o, NULL, y, T, hidden, q_dim, num_threads);
+        failed |= ops->linear(attn, w->o, NULL, y, T, hidden, q_dim, num_threads);
         ops->norm(y, residual, w->post_norm, eps, h, T, hidden, num_threads);
-        ops->linear(h, w->gate_up, NULL, gate_up, T, 2 * inter, hidden, num_threads);
+        failed |= ops->linear(h, w->gate_up, NULL, gate_up, T, 2 * inter, hidden, num_threads);
         ops->silu(gate_up, act, T, inter, num_threads);
-        ops->linear(act, w->down, NULL, out, T, hidden, inter, num_threads);
+        failed |= ops->linear(act, w->down, NULL, out, T, hidden, inter, num_threads);
     }
     free(buf);
     return failed;

@@ -28,11 +28,14 @@ def test_levels_follow_the_cpu_flags() -> None:
     assert isa.levels(v4, "x86_64") == ("avx512", "avx2", "portable")
     assert isa.levels(v4 | {"avx512_bf16", "avx512_vnni"}, "x86_64")[0] == "avx512_bf16"
     assert isa.levels(v4 | {"avx512_bf16"}, "x86_64")[0] == "avx512"  # no VNNI: not that build
+    spr = v4 | {"avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16"}
+    assert isa.levels(spr, "x86_64")[:2] == ("amx_bf16", "avx512_bf16")
+    assert isa.levels(spr - {"amx_tile"}, "x86_64")[0] == "avx512_bf16"
     assert isa.levels(frozenset({"avx2"}), "x86_64") == ("portable",)  # no FMA: not v3
     assert isa.levels(frozenset({"asimd", "sve", "bf16"}), "aarch64") == ("sve", "neon",
                                                                            "portable")
     assert isa.levels(frozenset({"asimd"}), "aarch64") == ("neon", "portable")
-    assert isa.compute_dtype("avx512_bf16") == torch.bfloat16
+    assert isa.compute_dtype("avx512_bf16") == isa.compute_dtype("amx_bf16") == torch.bfloat16
     assert isa.compute_dtype("avx2") == isa.compute_dtype("portable") == torch.float32
 
 
@@ -108,3 +111,22 @@ def test_every_level_gives_transformers_logits(level: str, bf16_checkpoint: tupl
         for (seqs, logits), (p_seqs, p_logits) in zip(got["steps"], portable["steps"]):
             assert seqs == p_seqs
             torch.testing.assert_close(logits, p_logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="workers pick the GPU")
+@pytest.mark.parametrize("level", ["amx_bf16", "avx512_bf16"])
+def test_bf16_levels_give_transformers_logits(level: str, bf16_checkpoint: tuple,
+                                              tmp_path: Path) -> None:
+    """bf16 compute multiplies on AMX's tiles or with vdpbf16ps over the same packed weights
+    (linear.c): both give transformers' logits to bf16's precision, prefill, decode and mixed."""
+    if level not in isa.levels():
+        pytest.skip(f"this CPU does not run {level}")
+    folder, hf = bf16_checkpoint
+    got = _run(folder, "bfloat16", level, tmp_path / "bf16.pt")
+    assert got["isa"] == level and got["head_packed"] == 4 and got["native_layers"]
+    with torch.no_grad():
+        for sequences, logits in got["steps"]:
+            for seq, row in zip(sequences, logits):
+                ref = hf(torch.tensor([seq])).logits[0, -1]
+                # bf16 activations rounded at every layer: within 2% of the largest logit
+                assert (row - ref).abs().max() <= 0.02 * ref.abs().max(), (row - ref).abs().max()

@@ -89,7 +89,8 @@ def test_every_level_multiplies_every_format(level: str, tmp_path: Path) -> None
     results = torch.load(out)
     # 4 formats x 7 shapes, and the 7 shapes again for each format a mode takes: bfloat16 the
     # 4- and 8-bit ones, int8 the 4-bit ones
-    modes = {"avx512_bf16": {"bfloat16": 21, "int8": 14}, "avx512": {"int8": 14},
+    modes = {"amx_bf16": {"bfloat16": 21, "int8": 14}, "avx512_bf16": {"bfloat16": 21, "int8": 14},
+             "avx512": {"int8": 14},
              "avx2": {"int8": 14}}
     assert len(results) == 28 + sum(modes.get(level, {}).values()), sorted(results)
     assert sum(case.startswith("Q6_K") for case in results) == 7, sorted(results)
@@ -108,10 +109,10 @@ def test_the_activation_mode_comes_from_the_environment(asked: str, expected: st
     """SHARDSERVE_QUANT_ACTIVATIONS at load: a mode the build runs is taken, `auto` is bfloat16
     on AVX512-BF16 and float32 elsewhere, and a name that is no mode stops the load."""
     level = isa.selected()
-    if asked == "int8" and level not in ("avx512_bf16", "avx512", "avx2"):
+    if asked == "int8" and level not in ("amx_bf16", "avx512_bf16", "avx512", "avx2"):
         expected = "float32"  # a build without integer dot products falls back
     if asked == "auto":
-        expected = "bfloat16" if level == "avx512_bf16" else "float32"
+        expected = "bfloat16" if level in ("amx_bf16", "avx512_bf16") else "float32"
     code = "from replicas import kernels; print(kernels.quant_activations())"
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, kernels.QUANT_ACTIVATIONS_ENV: asked,

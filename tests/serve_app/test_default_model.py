@@ -47,7 +47,7 @@ def test_version_names_the_weight_formats(client: OpenAI) -> None:
                                                    "Q8_0 linear_q": 1}
     # bfloat16 where the CPU has AVX512-BF16 dot products (kernels.quant_activations)
     assert models[DEFAULT_MODEL_ID]["quant_activations"] == (
-        "bfloat16" if isa.selected() == "avx512_bf16" else "float32")
+        "bfloat16" if isa.selected() in ("amx_bf16", "avx512_bf16") else "float32")
 
 
 def test_a_fact_greedy(client: OpenAI) -> None:
