@@ -282,18 +282,94 @@ INLINE void values_dp(const uint16_t *pg, int64_t len, int64_t gn, const uint16_
     }
 }
 
-/* One (row, kv head) task of the bf16 path; head_dim = 32 * chunks, chunks <= 8. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* With AMX a block's 16 keys are scored for every query head of the group by tile products:
+   the block's keys [16, 32 dims] (rows of the cache, in place) times q's dims as k pairs
+   [16 pairs, group] (laid out once a task) into [16 keys, group] float32 sums, one product per
+   32 dims. On vdpbf16ps each key took a vector of partial sums per head and the transpose tree
+   after. A key's score is a function of its own row, so a row's bits do not depend on its batch.
+   Tiles: 0 the sums, 1 and 6 the keys (in turn), 2..5 q's chunks. The values stay on
+   values_dp: tiles would want them interleaved in pairs of keys, as the cache does not hold
+   them. */
+#define TILES_OK(DTYPE, BS, D, G) (DP_OK(DTYPE, BS, D) && (D) <= 128 && (G) <= 16)
+typedef struct __attribute__((packed, aligned(64))) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* each thread of a call's parallel region, before its tasks (`_tile_release` after) */
+static void tiles_configure(int64_t group) {
+    TileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 7; t++) c.rows[t] = 16;
+    c.colsb[0] = c.colsb[2] = c.colsb[3] = c.colsb[4] = c.colsb[5] = (uint16_t)(4 * group);
+    c.colsb[1] = c.colsb[6] = 64;
+    _tile_loadconfig(&c);
+}
+
+/* q's rows of the group as tiles 2.. (qt: room for chunks x 16 x group pairs) */
+INLINE void tiles_load_q(const uint16_t *qrow, int64_t group, int64_t chunks, uint32_t *qt) {
+    const int64_t head_dim = 32 * chunks;
+    for (int64_t c = 0; c < chunks; c++)
+        for (int64_t p = 0; p < 16; p++)
+            for (int64_t g = 0; g < group; g++)
+                memcpy(qt + (c * 16 + p) * group + g, qrow + g * head_dim + 32 * c + 2 * p, 4);
+    const size_t stride = 4 * (size_t)group;
+    _tile_loadd(2, qt, stride);
+    if (chunks > 1) _tile_loadd(3, qt + 16 * group, stride);
+    if (chunks > 2) _tile_loadd(4, qt + 32 * group, stride);
+    if (chunks > 3) _tile_loadd(5, qt + 48 * group, stride);
+}
+
+/* the first n of one block's keys (kb) against the group: scores[g * len + t] */
+INLINE void tiles_scores(const uint16_t *kb, int64_t group, int64_t chunks, int64_t n,
+                         float scale, float *scores, int64_t len) {
+    float sums[16 * 16] __attribute__((aligned(64)));
+    const size_t stride = 64 * (size_t)chunks;  /* a key's row: 32 * chunks bf16 */
+    _tile_zero(0);
+    _tile_loadd(1, kb, stride);
+    _tile_dpbf16ps(0, 1, 2);
+    if (chunks > 1) {
+        _tile_loadd(6, kb + 32, stride);
+        _tile_dpbf16ps(0, 6, 3);
+    }
+    if (chunks > 2) {
+        _tile_loadd(1, kb + 64, stride);
+        _tile_dpbf16ps(0, 1, 4);
+    }
+    if (chunks > 3) {
+        _tile_loadd(6, kb + 96, stride);
+        _tile_dpbf16ps(0, 6, 5);
+    }
+    _tile_stored(0, sums, 4 * (size_t)group);
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t t = 0; t < n; t++) scores[g * len + t] = sums[t * group + g] * scale;
+}
+#else
+#define TILES_OK(DTYPE, BS, D, G) 0
+#endif
+
+/* One (row, kv head) task of the bf16 path; head_dim = 32 * chunks, chunks <= 8. tiles: this
+   thread's tiles are configured for the scores (TILES_OK). */
 INLINE int attend_dp(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                      const int64_t *table, int64_t len, uint16_t *out, int64_t b, int64_t h,
                      int64_t heads, int64_t group, const int64_t chunks, int64_t slots,
-                     float scale, const Next *next, const Part *part) {
+                     float scale, const Next *next, const Part *part, int tiles) {
     const int64_t head_dim = 32 * chunks, elems = 16 * head_dim;
     const int64_t head_base = h * slots * head_dim, blocks = (len + 15) / 16;
-    /* scores [group, len] in float, then the same as bf16 probabilities */
-    float *scores =
-        scratch(sizeof(float) * (size_t)(group * len) + 2 * (size_t)(group * len + 32));
+    /* scores [group, len] in float, then the same as bf16 probabilities | q as tiles */
+    float *scores = scratch(sizeof(float) * (size_t)(group * len) +
+                            2 * (size_t)(group * len + 32) + 4 * (size_t)(64 * group + 16));
     if (scores == NULL) return 1;
     uint16_t *probs = (uint16_t *)(scores + group * len);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    uint32_t *qt = (uint32_t *)(((uintptr_t)(probs + group * len + 32) + 63) & ~(uintptr_t)63);
+    if (tiles) tiles_load_q(q + (b * heads + h * group) * head_dim, group, chunks, qt);
+#else
+    (void)tiles;
+#endif
     for (int64_t i = 0; i < blocks && i < PF_BLOCKS; i++)
         prefetch_block(k_cache, head_base + table[i] * elems, BF16, elems);
     const uint16_t *qrow = q + (b * heads + h * group) * head_dim;
@@ -303,6 +379,12 @@ INLINE int attend_dp(const uint16_t *q, const uint16_t *k_cache, const uint16_t 
         prefetch_block(v_cache, head_base + table[i] * elems, BF16, elems);
         const uint16_t *kb = k_cache + head_base + table[i] * elems;
         const int64_t n = len - 16 * i < 16 ? len - 16 * i : 16;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+        if (tiles) {
+            tiles_scores(kb, group, chunks, n, scale, scores + 16 * i, len);
+            continue;
+        }
+#endif
         for (int64_t g = 0; g < group; g++)
             scores_dp(qrow + g * head_dim, kb, chunks, n, scale, scores + g * len + 16 * i);
     }
@@ -481,9 +563,9 @@ INLINE void combine(const float *parts, int64_t count, int64_t group, int64_t he
 INLINE int attend_dp_any(const void *q, const void *k, const void *v, const int64_t *table,
                          int64_t len, void *out, int64_t b, int64_t h, int64_t heads,
                          int64_t group, int64_t head_dim, int64_t slots, float scale,
-                         const Next *next, const Part *part) {
+                         const Next *next, const Part *part, int tiles) {
 #define DP(CH) \
-    attend_dp(q, k, v, table, len, out, b, h, heads, group, CH, slots, scale, next, part)
+    attend_dp(q, k, v, table, len, out, b, h, heads, group, CH, slots, scale, next, part, tiles)
     switch (head_dim / 32) {
     case 2: return DP(2);
     case 4: return DP(4);
@@ -502,13 +584,28 @@ INLINE int attend_dp_any(const void *q, const void *k, const void *v, const int6
 INLINE int attend_task(const void *q, const void *k, const void *v, const int64_t *table,
                        int64_t len, void *out, int64_t b, int64_t h, int64_t heads, int64_t group,
                        int64_t head_dim, int64_t slots, int64_t block_size, float scale, int dtype,
-                       const Next *next, const Part *part) {
+                       const Next *next, const Part *part, int tiles) {
     if (DP_OK(dtype, block_size, head_dim))
         return ATTEND_DP(q, k, v, table, len, out, b, h, heads, group, head_dim, slots, scale,
-                         next, part);
+                         next, part, tiles);
+    (void)tiles;
     return attend(q, k, v, table, len, out, b, h, heads, group, head_dim, slots, block_size,
                   scale, dtype, part);
 }
+
+/* Inside a call's parallel region: `tiles` says whether this thread's tiles hold the scores'
+   configuration (TILES_OK), released at the region's end (a thread's tile state in use is saved
+   at every context switch). */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define TILES_BEGIN(tiles, DTYPE, BS, D, G)                                                   \
+    const int tiles = TILES_OK(DTYPE, BS, D, G);                                              \
+    if (tiles) tiles_configure(G);
+#define TILES_END(tiles) \
+    if (tiles) _tile_release();
+#else
+#define TILES_BEGIN(tiles, DTYPE, BS, D, G) const int tiles = 0;
+#define TILES_END(tiles)
+#endif
 
 /* the calling thread's buffer for its calls' partial results (split rows: EXPORT) */
 static __thread Grown partial_space;
@@ -596,6 +693,7 @@ INLINE void task_of(const Tasks *t, const int64_t *lens, int64_t task, int64_t *
         int64_t claimed = 0;                                                                    \
         if (plan.first == NULL) {                                                               \
             _Pragma("omp parallel num_threads(num_threads)") {                                  \
+                TILES_BEGIN(tiles, DTYPE, block_size, head_dim, group)                          \
                 FOR_DEALT_AHEAD(task, after, tasks, claimed) {                                  \
                     const int64_t b = task / kv_heads, h = task % kv_heads;                     \
                     Next next = {NULL, 0, 0};                                                   \
@@ -607,13 +705,15 @@ INLINE void task_of(const Tasks *t, const int64_t *lens, int64_t task, int64_t *
                     }                                                                           \
                     if (attend_task(q, k, v, tables + b * max_blocks, lens[b], out, b, h,       \
                                     heads, group, head_dim, slots, block_size, scale, DTYPE,    \
-                                    after < tasks ? &next : NULL, NULL))                        \
+                                    after < tasks ? &next : NULL, NULL, tiles))                 \
                         failed = 1;                                                             \
                 }                                                                               \
+                TILES_END(tiles)                                                                \
             }                                                                                   \
             return failed;                                                                      \
         }                                                                                       \
         _Pragma("omp parallel num_threads(num_threads)") {                                      \
+            TILES_BEGIN(tiles, DTYPE, block_size, head_dim, group)                              \
             int64_t cursor = 0, next_cursor = 0; /* task_of's, for this task and the next */    \
             for (int64_t b0 = 0, t0 = 0; t0 < tasks;) {                                         \
                 /* this wave: rows b0 .. b1, tasks t0 .. t1 (every thread finds the same) */    \
@@ -640,7 +740,7 @@ INLINE void task_of(const Tasks *t, const int64_t *lens, int64_t task, int64_t *
                     }                                                                           \
                     if (attend_task(q, k, v, table, len, out, b, h, heads, group, head_dim,     \
                                     slots, block_size, scale, DTYPE, after < t1 ? &next : NULL, \
-                                    count == 1 ? NULL : &part))                                 \
+                                    count == 1 ? NULL : &part, tiles))                          \
                         failed = 1;                                                             \
                 }                                                                               \
                 _Pragma("omp barrier")                                                          \
@@ -662,6 +762,7 @@ INLINE void task_of(const Tasks *t, const int64_t *lens, int64_t task, int64_t *
                 claimed = t1;                                                                   \
                 b0 = b1, t0 = t1;                                                               \
             }                                                                                   \
+            TILES_END(tiles)                                                                    \
         }                                                                                       \
         free(plan.first);                                                                       \
         return failed;                                                                          \
