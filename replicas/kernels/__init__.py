@@ -8,7 +8,8 @@ residual add and RMSNorm, `rotary.c` RoPE and the store of the step's keys and v
 cache, `activation.c` the gated MLP's silu(gate) * up. Each rounds as torch does in the model
 dtype (`dtype.h`). `linear.c` replaces torch's matmul over weights packed once after loading:
 in bf16 with AVX512-BF16 dot products (`pack_linear`: 1.4x torch at 32 rows, 1.06x at 2048, a
-single row's weights streamed at 2.5x torch's rate), and in float32 over a bf16 checkpoint's
+single row's weights streamed at 2.5x torch's rate) or, in the `amx_bf16` build, AMX's tile
+products over the same packing (1.5x torch's oneDNN at 32 rows, 0.8x at 512), and in float32 over a bf16 checkpoint's
 weights kept as bf16 and widened in registers on every other CPU (`pack_mixed`, `linear_mixed`);
 `quant_linear.c` over 4-, 6- and 8-bit block-quantized weights (GGUF's Q4_0, Q4_1, Q8_0, Q4_K, Q6_K;
 `replicas/quant.py` packs them): unpacked in registers, 4-bit weights multiplied by the
