@@ -9,8 +9,9 @@ cache, `activation.c` the gated MLP's silu(gate) * up. Each rounds as torch does
 dtype (`dtype.h`). `linear.c` replaces torch's matmul over weights packed once after loading:
 in bf16 with AVX512-BF16 dot products (`pack_linear`: 1.4x torch at 32 rows, 1.06x at 2048, a
 single row's weights streamed at 2.5x torch's rate) or, in the `amx_bf16` build, AMX's tile
-products over the same packing (1.5x torch's oneDNN at 32 rows, 0.8x at 512), and in float32 over a bf16 checkpoint's
-weights kept as bf16 and widened in registers on every other CPU (`pack_mixed`, `linear_mixed`);
+products over the same packing (1.5x torch's oneDNN at 32 rows, 0.8x at 512), and in float32
+over a bf16 checkpoint's weights kept as bf16 and widened in registers on every other CPU
+(`pack_mixed`, `linear_mixed`);
 `quant_linear.c` over 4-, 6- and 8-bit block-quantized weights (GGUF's Q4_0, Q4_1, Q8_0, Q4_K, Q6_K;
 `replicas/quant.py` packs them): unpacked in registers, 4-bit weights multiplied by the
 activations `SHARDSERVE_QUANT_ACTIVATIONS` names (`quant_activations`: float32; bfloat16, with
@@ -20,8 +21,8 @@ products, as llama.cpp does) (`linear_q`).
 those kernels (`llama_layers`, bf16 or float32).
 
 The library is compiled with the machine's C compiler (`$CC`, else `cc`) once per ISA level
-(`isa.py`: AMX-BF16, AVX512-BF16, AVX-512, AVX2, SVE, NEON, portable), the level chosen at run time from
-what the CPU reports or `$SHARDSERVE_ISA`, and cached under
+(`isa.py`: AMX-BF16, AVX512-BF16, AVX-512, AVX2, SVE, NEON, portable), the level chosen at run
+time from what the CPU reports or `$SHARDSERVE_ISA`, and cached under
 `$SHARDSERVE_CACHE/kernels/<level>-<hash of sources and flags>`; the build is atomic, so
 concurrent replicas on one node race harmlessly. Without a compiler (or with
 `SHARDSERVE_NATIVE_KERNELS=0`) `load()` returns None and callers keep the torch path.

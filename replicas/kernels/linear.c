@@ -240,10 +240,11 @@ static void amx_block(const uint16_t *x, const uint16_t *panel, const uint16_t *
         if (bias)
             b = _mm512_castsi512_ps(_mm512_slli_epi32(
                 _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + c0)), 16));
-        for (int64_t i = 0; i < stored; i++)
-            _mm256_mask_storeu_epi16(
-                y + i * N + c0, mask,
-                (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(sums + i * PANEL + 16 * h), b)));
+        for (int64_t i = 0; i < stored; i++) {
+            const __m512 a = _mm512_loadu_ps(sums + i * PANEL + 16 * h);
+            _mm256_mask_storeu_epi16(y + i * N + c0, mask,
+                                     (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a, b)));
+        }
     }
 }
 

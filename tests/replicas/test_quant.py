@@ -89,8 +89,8 @@ def test_every_level_multiplies_every_format(level: str, tmp_path: Path) -> None
     results = torch.load(out)
     # 4 formats x 7 shapes, and the 7 shapes again for each format a mode takes: bfloat16 the
     # 4- and 8-bit ones, int8 the 4-bit ones
-    modes = {"amx_bf16": {"bfloat16": 21, "int8": 14}, "avx512_bf16": {"bfloat16": 21, "int8": 14},
-             "avx512": {"int8": 14},
+    bf16_dots = {"bfloat16": 21, "int8": 14}
+    modes = {"amx_bf16": bf16_dots, "avx512_bf16": bf16_dots, "avx512": {"int8": 14},
              "avx2": {"int8": 14}}
     assert len(results) == 28 + sum(modes.get(level, {}).values()), sorted(results)
     assert sum(case.startswith("Q6_K") for case in results) == 7, sorted(results)
