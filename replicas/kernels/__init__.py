@@ -171,17 +171,27 @@ def _open() -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("no C compiler: the torch paths are used (slower decode attention)")
         return None
-    level = isa.selected()
-    try:
-        lib = ctypes.CDLL(str(build(compiler, level, _torch_openmp_link())))
-        _declare(lib)
-        _set_quant_activations(lib)
-    except (OSError, subprocess.SubprocessError, AttributeError) as e:
-        detail = getattr(e, "stderr", "") or e
-        logger.warning("native kernels unavailable (%s): using the torch path", detail)
-        return None
-    logger.info("native CPU kernels built for %s", level)
-    return lib
+    while True:
+        level = isa.selected()
+        try:
+            lib = ctypes.CDLL(str(build(compiler, level, _torch_openmp_link())))
+            _declare(lib)
+            _set_quant_activations(lib)
+        except subprocess.CalledProcessError as e:
+            if isa.forced_by_env() or level == "portable":
+                logger.warning("native kernels unavailable (%s): using the torch path", e.stderr)
+                return None
+            # an older compiler than the CPU: the next level down still beats torch's paths
+            logger.warning("%s cannot build the %s kernels (%s): trying the next level",
+                           compiler, level, (e.stderr or "").strip().splitlines()[:1])
+            isa.unbuildable(level)
+            continue
+        except (OSError, subprocess.SubprocessError, AttributeError) as e:
+            detail = getattr(e, "stderr", "") or e
+            logger.warning("native kernels unavailable (%s): using the torch path", detail)
+            return None
+        logger.info("native CPU kernels built for %s", level)
+        return lib
 
 
 def supports(dtype: torch.dtype, device: torch.device) -> bool:

@@ -102,14 +102,30 @@ def levels(flags: frozenset[str] | None = None, machine: str | None = None) -> t
                                         and not amx_permitted())))
 
 
+# levels the C compiler could not build in this process (`unbuildable`)
+_UNBUILDABLE: set[str] = set()
+
+
+def unbuildable(level: str) -> None:
+    """The C compiler failed to build `level` (GCC before 11 knows no AMX flags, before 9 no
+    AVX512-BF16): from now on `selected` passes over it to the next level the CPU runs."""
+    _UNBUILDABLE.add(level)
+    selected.cache_clear()
+
+
+def forced_by_env() -> bool:
+    """Whether `$SHARDSERVE_ISA` names the level (then nothing falls back)."""
+    return bool(os.environ.get(ENV, "").strip())
+
+
 @cache
 def selected() -> str:
     """The level this process's kernels use: `$SHARDSERVE_ISA` if set (an error if the CPU
-    cannot run it), else the best one the CPU runs."""
+    cannot run it), else the best one the CPU runs that the compiler could build."""
     runnable = levels()
     forced = os.environ.get(ENV, "").strip().lower()
     if not forced:
-        return runnable[0]
+        return next((level for level in runnable if level not in _UNBUILDABLE), "portable")
     if forced not in FLAGS:
         raise ValueError(f"{ENV}={forced!r}: expected one of {', '.join(FLAGS)}")
     if forced not in runnable:

@@ -58,6 +58,31 @@ def test_forcing_a_level_the_cpu_lacks_is_an_error(monkeypatch: pytest.MonkeyPat
         isa.selected.cache_clear()
 
 
+# each x86 level's flag that the next level down lacks
+_OWN_FLAG = {"amx_bf16": "-mamx-tile", "avx512_bf16": "-mavx512bf16",
+             "avx512": "-march=x86-64-v4", "avx2": "-march=x86-64-v3"}
+
+
+@pytest.mark.skipif(len(isa.levels()) < 2 or isa.levels()[0] not in _OWN_FLAG,
+                    reason="one level only, or not x86")
+def test_a_level_the_compiler_cannot_build_falls_back_to_the_next(tmp_path: Path) -> None:
+    """A compiler older than the CPU (GCC before 11 knows no AMX flags) builds the next level
+    down instead of leaving the process on torch's paths."""
+    best, second = isa.levels()[:2]
+    cc = tmp_path / "old-cc"
+    cc.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = "{_OWN_FLAG[best]}" ] && '
+                  f'{{ echo "unrecognized option $a" >&2; exit 1; }}; done\nexec cc "$@"\n')
+    cc.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != isa.ENV}
+    env.update(CC=str(cc), SHARDSERVE_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
+    code = ("from replicas import kernels; from replicas.kernels import isa; "
+            "print(kernels.load() is not None, isa.selected())")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.stdout.split() == ["True", second], run.stderr
+    assert f"cannot build the {best} kernels" in run.stderr
+
+
 @pytest.mark.parametrize("checkpoint", ["float32", "bfloat16", "float16"])
 def test_auto_dtype_is_what_the_cpu_computes_fast(checkpoint: str) -> None:
     config = transformers.LlamaConfig(dtype=checkpoint)
