@@ -197,7 +197,8 @@ static void amx_configure(int r0, int r1) {
 }
 
 /* One panel against one block of x (r0 rows, then r1 more from 16 on: the configured tiles; x
-   and y already at the block's first row), the sums rounded once to bf16 (+ bias) into y. */
+   and y already at the block's first row), the sums of its first `stored` rows rounded once to
+   bf16 (+ bias) into y. */
 static void amx_block(const uint16_t *x, const uint16_t *panel, const uint16_t *bias,
                       uint16_t *y, int64_t N, int64_t K, int64_t n0, int r0, int r1,
                       int64_t stored) {
@@ -232,20 +233,8 @@ static void amx_block(const uint16_t *x, const uint16_t *panel, const uint16_t *
     }
     _tile_stored(0, sums, PANEL * sizeof *sums);
     _tile_stored(1, sums + 16, PANEL * sizeof *sums);
-    for (int h = 0; h < 2; h++) {
-        const int64_t c0 = n0 + 16 * h;
-        if (c0 >= N) break;
-        const __mmask16 mask = N - c0 >= 16 ? 0xffff : (__mmask16)((1u << (N - c0)) - 1);
-        __m512 b = _mm512_setzero_ps();
-        if (bias)
-            b = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + c0)), 16));
-        for (int64_t i = 0; i < stored; i++) {
-            const __m512 a = _mm512_loadu_ps(sums + i * PANEL + 16 * h);
-            _mm256_mask_storeu_epi16(y + i * N + c0, mask,
-                                     (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a, b)));
-        }
-    }
+    /* as the vdpbf16ps tiles' sums (K is even: x is not read) */
+    store_tile(x, panel, sums, bias, y, N, K, 0, n0, (int)stored);
 }
 
 /* One panel against every row: blocks of 32 rows from x, the last (a ragged one past 32 rows)
