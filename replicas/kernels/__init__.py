@@ -58,7 +58,7 @@ _SOURCES = tuple(Path(__file__).with_name(name) for name in
                  ("paged_attention.c", "rms_norm.c", "rotary.c", "activation.c", "linear.c",
                   "quant_linear.c", "llama_layers.c", "sampling.c"))
 _HEADERS = tuple(Path(__file__).with_name(name)
-                 for name in ("dtype.h", "vec.h", "exp_approx.h", "deal.h"))
+                 for name in ("dtype.h", "vec.h", "exp_approx.h", "deal.h", "tiles.h"))
 # the target flags come from the ISA level (isa.FLAGS), not -march=native: a build is chosen by
 # level at run time, can be forced to a lower one, and a cache shared by nodes of one level fits all
 _FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-std=gnu11", "-fPIC")

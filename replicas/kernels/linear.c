@@ -25,6 +25,7 @@
 
 #include "deal.h"
 #include "dtype.h"
+#include "tiles.h"
 #include "vec.h"
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -178,22 +179,12 @@ static void panel_rows(const uint16_t *x, const uint16_t *panel, const uint16_t 
    depth), as every Llama-family width is; other widths take the vdpbf16ps path. A software
    prefetch of the stream 2-16 KiB ahead did not measure above the noise. */
 
-typedef struct __attribute__((packed, aligned(64))) {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
 /* Tiles 0, 1: the sums of rows 0..r0 (column halves); 2, 3: of rows 16..16+r1; 4, 5: those rows
    of x; 6, 7: the weight's halves. Each thread configures its own tiles. */
 static void amx_configure(int r0, int r1) {
-    TileConfig c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
     const int rows[8] = {r0, r0, r1, r1, r0, r1, 16, 16};
-    for (int t = 0; t < 8; t++)
-        if (rows[t]) c.rows[t] = (uint8_t)rows[t], c.colsb[t] = 64;
-    _tile_loadconfig(&c);
+    const int colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+    tiles_load(rows, colsb);
 }
 
 /* One panel against one block of x (r0 rows, then r1 more from 16 on: the configured tiles; x

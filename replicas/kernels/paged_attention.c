@@ -18,6 +18,7 @@
 #include "deal.h"
 #include "dtype.h"
 #include "exp_approx.h"
+#include "tiles.h"
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -292,21 +293,11 @@ INLINE void values_dp(const uint16_t *pg, int64_t len, int64_t gn, const uint16_
    values_dp: tiles would want them interleaved in pairs of keys, as the cache does not hold
    them. */
 #define TILES_OK(DTYPE, BS, D, G) (DP_OK(DTYPE, BS, D) && (D) <= 128 && (G) <= 16)
-typedef struct __attribute__((packed, aligned(64))) {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
 /* each thread of a call's parallel region, before its tasks (`_tile_release` after) */
 static void tiles_configure(int64_t group) {
-    TileConfig c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 7; t++) c.rows[t] = 16;
-    c.colsb[0] = c.colsb[2] = c.colsb[3] = c.colsb[4] = c.colsb[5] = (uint16_t)(4 * group);
-    c.colsb[1] = c.colsb[6] = 64;
-    _tile_loadconfig(&c);
+    const int g = (int)(4 * group), rows[8] = {16, 16, 16, 16, 16, 16, 16, 0};
+    const int colsb[8] = {g, 64, g, g, g, g, 64, 0};
+    tiles_load(rows, colsb);
 }
 
 /* q's rows of the group as tiles 2.. (qt: room for chunks x 16 x group pairs) */
