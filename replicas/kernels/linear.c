@@ -250,7 +250,7 @@ static int linear_amx(const uint16_t *x, const uint16_t *w, const uint16_t *bias
                       int64_t M, int64_t N, int64_t K, int num_threads) {
     const int64_t panels = (N + PANEL - 1) / PANEL, panel_size = PANEL_SIZE(K);
     /* up to 32 rows the tiles are configured to the rows; beyond, to whole blocks */
-    const int r0 = M >= 16 || M > 32 ? 16 : (int)M, r1 = M > 32 ? 16 : M > 16 ? (int)M - 16 : 0;
+    const int r0 = M >= 16 ? 16 : (int)M, r1 = M > 32 ? 16 : M > 16 ? (int)M - 16 : 0;
     uint16_t *tail = NULL;
     if (M > 32 && M % 32) {
         const int64_t whole = M / 32 * 32;
