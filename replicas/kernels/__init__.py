@@ -128,7 +128,7 @@ _SINGLE_SIGNATURES = {
     "linear_q": [_PTR] * 4 + [_I64] * 3 + [_INT], "linear_q_activations": [],
     "linear_q_set_activations": [_INT],
     "llama_layers_bf16": _LAYERS, "llama_layers_f32": _LAYERS, "llama_layers_q": _LAYERS,
-    "fma_peak": [_I64, _INT], "bf16_dot_peak": [_I64, _INT], "amx_bf16_peak": [_I64, _INT],
+    "fma_peak": [_I64, _INT], "bf16_peak": [_I64, _INT],
     "topk_f32": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _INT],
     "argmax_f32": [_PTR, _I64, _I64, _PTR, _INT],
     "logprobs_f32": [_PTR, _I64, _I64, _PTR, _I64] + [_PTR] * 4 + [_INT],
@@ -177,17 +177,15 @@ def _open() -> ctypes.CDLL | None:
             lib = ctypes.CDLL(str(build(compiler, level, _torch_openmp_link())))
             _declare(lib)
             _set_quant_activations(lib)
-        except subprocess.CalledProcessError as e:
-            if isa.forced_by_env() or level == "portable":
-                logger.warning("native kernels unavailable (%s): using the torch path", e.stderr)
-                return None
-            # an older compiler than the CPU: the next level down still beats torch's paths
-            logger.warning("%s cannot build the %s kernels (%s): trying the next level",
-                           compiler, level, (e.stderr or "").strip().splitlines()[:1])
-            isa.unbuildable(level)
-            continue
         except (OSError, subprocess.SubprocessError, AttributeError) as e:
             detail = getattr(e, "stderr", "") or e
+            if (isinstance(e, subprocess.CalledProcessError) and not isa.forced()
+                    and level != "portable"):
+                # an older compiler than the CPU: the next level down still beats torch's paths
+                logger.warning("%s cannot build the %s kernels (%s): trying the next level",
+                               compiler, level, str(detail).strip().splitlines()[:1])
+                isa.unbuildable(level)
+                continue
             logger.warning("native kernels unavailable (%s): using the torch path", detail)
             return None
         logger.info("native CPU kernels built for %s", level)
@@ -574,10 +572,9 @@ def redraw(x: torch.Tensor, at: torch.Tensor, tokens: torch.Tensor, top_k: torch
 
 def fma_peak_gflops(seconds: float = 1.0, dtype: torch.dtype = torch.float32) -> float:
     """This build's peak on torch's thread count, GFLOP/s, from a register-only loop: float32
-    FMAs, or for bf16 AVX512-BF16 dot products, or AMX tile products in an AMX build (0 on a
+    FMAs, or for bf16 AMX tile products in an AMX build, else AVX512-BF16 dot products (0 on a
     build without them). The ceiling the linear kernels are measured against."""
-    fn = _kernel("fma_peak" if dtype != torch.bfloat16 else
-                 "amx_bf16_peak" if isa.selected() == "amx_bf16" else "bf16_dot_peak")
+    fn = _kernel("bf16_peak" if dtype == torch.bfloat16 else "fma_peak")
     threads, iterations = torch.get_num_threads(), 1 << 20
     while True:
         started = time.perf_counter()

@@ -113,24 +113,24 @@ def unbuildable(level: str) -> None:
     selected.cache_clear()
 
 
-def forced_by_env() -> bool:
-    """Whether `$SHARDSERVE_ISA` names the level (then nothing falls back)."""
-    return bool(os.environ.get(ENV, "").strip())
+def forced() -> str:
+    """The level `$SHARDSERVE_ISA` names ("" where it is unset; then a level the compiler cannot
+    build falls back)."""
+    return os.environ.get(ENV, "").strip().lower()
 
 
 @cache
 def selected() -> str:
     """The level this process's kernels use: `$SHARDSERVE_ISA` if set (an error if the CPU
     cannot run it), else the best one the CPU runs that the compiler could build."""
-    runnable = levels()
-    forced = os.environ.get(ENV, "").strip().lower()
-    if not forced:
-        return next((level for level in runnable if level not in _UNBUILDABLE), "portable")
-    if forced not in FLAGS:
-        raise ValueError(f"{ENV}={forced!r}: expected one of {', '.join(FLAGS)}")
-    if forced not in runnable:
-        raise ValueError(f"{ENV}={forced!r}: this CPU runs only {', '.join(runnable)}")
-    return forced
+    runnable, level = levels(), forced()
+    if not level:
+        return next((name for name in runnable if name not in _UNBUILDABLE), "portable")
+    if level not in FLAGS:
+        raise ValueError(f"{ENV}={level!r}: expected one of {', '.join(FLAGS)}")
+    if level not in runnable:
+        raise ValueError(f"{ENV}={level!r}: this CPU runs only {', '.join(runnable)}")
+    return level
 
 
 def compute_dtype(level: str | None = None) -> torch.dtype:

@@ -33,7 +33,7 @@
 #else
 #define HAVE_DPBF16 0
 #endif
-#if HAVE_DPBF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if HAVE_DPBF16 && HAVE_TILES
 #define HAVE_AMX 1
 #else
 #define HAVE_AMX 0
@@ -403,37 +403,14 @@ double fma_peak(int64_t iterations, int num_threads) {
     return total;
 }
 
-/* The same for AVX512-BF16's dot product (each instruction: 16 lanes x 2 products and sums):
-   the ceiling of `linear_bf16` and of `llama_layers_bf16`'s projections. 0 where the build
-   has no such instruction. */
-double bf16_dot_peak(int64_t iterations, int num_threads) {
-#if HAVE_DPBF16
+/* The same for bf16 compute: the ceiling of `linear_bf16` and of `llama_layers_bf16`'s
+   projections in this build. With AMX, the tile product (each instruction: 16 x 16 outputs of
+   16 pair products and sums): four accumulator tiles in turn over two tiles of operands (zeros),
+   in registers. Else AVX512-BF16's dot product (each instruction: 16 lanes x 2 products and
+   sums). 0 where the build has neither. */
+double bf16_peak(int64_t iterations, int num_threads) {
     double total = 0.0;
-#pragma omp parallel num_threads(num_threads) reduction(+ : total)
-    {
-        __m512 acc[12];
-        const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3380);
-        for (int i = 0; i < 12; i++) acc[i] = _mm512_set1_ps((float)i);
-        for (int64_t it = 0; it < iterations; it++)
-            for (int i = 0; i < 12; i++) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
-        float sink = 0.0f;
-        for (int i = 0; i < 12; i++) sink += _mm512_reduce_add_ps(acc[i]);
-        total += 4.0 * 16 * 12 * (double)iterations + (sink == 12345.0f ? 1.0 : 0.0);
-    }
-    return total;
-#else
-    (void)iterations;
-    (void)num_threads;
-    return 0.0;
-#endif
-}
-
-/* The same for AMX's tile product (each instruction: 16 x 16 outputs of 16 pair products and
-   sums), the ceiling of `linear_bf16` in an AMX build: four accumulator tiles in turn over two
-   tiles of operands (zeros), in registers. 0 where the build has no AMX. */
-double amx_bf16_peak(int64_t iterations, int num_threads) {
 #if HAVE_AMX
-    double total = 0.0;
 #pragma omp parallel num_threads(num_threads) reduction(+ : total)
     {
         amx_configure(16, 16);
@@ -456,10 +433,21 @@ double amx_bf16_peak(int64_t iterations, int num_threads) {
         _tile_release();
         total += 4.0 * 16 * 16 * 32 * 2 * (double)iterations + (sink[0] == 12345.0f ? 1.0 : 0.0);
     }
-    return total;
+#elif HAVE_DPBF16
+#pragma omp parallel num_threads(num_threads) reduction(+ : total)
+    {
+        __m512 acc[12];
+        const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3380);
+        for (int i = 0; i < 12; i++) acc[i] = _mm512_set1_ps((float)i);
+        for (int64_t it = 0; it < iterations; it++)
+            for (int i = 0; i < 12; i++) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+        float sink = 0.0f;
+        for (int i = 0; i < 12; i++) sink += _mm512_reduce_add_ps(acc[i]);
+        total += 4.0 * 16 * 12 * (double)iterations + (sink == 12345.0f ? 1.0 : 0.0);
+    }
 #else
     (void)iterations;
     (void)num_threads;
-    return 0.0;
 #endif
+    return total;
 }

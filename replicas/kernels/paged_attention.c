@@ -283,7 +283,7 @@ INLINE void values_dp(const uint16_t *pg, int64_t len, int64_t gn, const uint16_
     }
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if HAVE_TILES
 /* With AMX a block's 16 keys are scored for every query head of the group by tile products:
    the block's keys [16, 32 dims] (rows of the cache, in place) times q's dims as k pairs
    [16 pairs, group] (laid out once a task) into [16 keys, group] float32 sums, one product per
@@ -355,22 +355,22 @@ INLINE int attend_dp(const uint16_t *q, const uint16_t *k_cache, const uint16_t 
                             2 * (size_t)(group * len + 32) + 4 * (size_t)(64 * group + 16));
     if (scores == NULL) return 1;
     uint16_t *probs = (uint16_t *)(scores + group * len);
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    const uint16_t *qrow = q + (b * heads + h * group) * head_dim;
+#if HAVE_TILES
     uint32_t *qt = (uint32_t *)(((uintptr_t)(probs + group * len + 32) + 63) & ~(uintptr_t)63);
-    if (tiles) tiles_load_q(q + (b * heads + h * group) * head_dim, group, chunks, qt);
+    if (tiles) tiles_load_q(qrow, group, chunks, qt);
 #else
     (void)tiles;
 #endif
     for (int64_t i = 0; i < blocks && i < PF_BLOCKS; i++)
         prefetch_block(k_cache, head_base + table[i] * elems, BF16, elems);
-    const uint16_t *qrow = q + (b * heads + h * group) * head_dim;
     for (int64_t i = 0; i < blocks; i++) {
         if (i + PF_BLOCKS < blocks)
             prefetch_block(k_cache, head_base + table[i + PF_BLOCKS] * elems, BF16, elems);
         prefetch_block(v_cache, head_base + table[i] * elems, BF16, elems);
         const uint16_t *kb = k_cache + head_base + table[i] * elems;
         const int64_t n = len - 16 * i < 16 ? len - 16 * i : 16;
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if HAVE_TILES
         if (tiles) {
             tiles_scores(kb, group, chunks, n, scale, scores + 16 * i, len);
             continue;
@@ -587,7 +587,7 @@ INLINE int attend_task(const void *q, const void *k, const void *v, const int64_
 /* Inside a call's parallel region: `tiles` says whether this thread's tiles hold the scores'
    configuration (TILES_OK), released at the region's end (a thread's tile state in use is saved
    at every context switch). */
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if HAVE_TILES
 #define TILES_BEGIN(tiles, DTYPE, BS, D, G)                                                   \
     const int tiles = TILES_OK(DTYPE, BS, D, G);                                              \
     if (tiles) tiles_configure(G);

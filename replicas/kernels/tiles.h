@@ -3,7 +3,12 @@
    A thread loads its configuration before its tile instructions and releases the tiles after
    (while in use their 8 KiB of state is saved at every context switch). */
 #pragma once
-#if defined(__AMX_TILE__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAVE_TILES 1
+#else
+#define HAVE_TILES 0
+#endif
+#if HAVE_TILES
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
