@@ -88,14 +88,15 @@ def test_start_stop_cycles_leave_nothing() -> None:
 def test_a_stop_drains_in_flight_and_refuses_new_requests() -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    # 4 x 1,000 tokens: seconds of work even for the tiny model (10-17 s on an AVX2 Zen 3 box)
+    # 4 x 2,000 tokens: seconds of work even for the tiny model (4 x 1,000 took 10-17 s on an
+    # AVX2 Zen 3 box, and ended before the stop was seen on a Xeon with AMX)
     proc = _start(port, "--shutdown-grace-s", "60", "--max-model-len", "2048",
                   "--kv-cache-gib", "0.1")
     result: dict[str, object] = {}
 
     def stream() -> None:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "n": 4,
-                "max_tokens": 1000, "ignore_eos": True, "stream": True}
+                "max_tokens": 2000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as r:
             lines = [line for line in r.iter_lines() if line.startswith("data: ")]
         result["done"] = lines[-1] == "data: [DONE]"
