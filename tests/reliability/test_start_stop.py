@@ -89,7 +89,8 @@ def test_a_stop_drains_in_flight_and_refuses_new_requests() -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     # 4 x 2,000 tokens: seconds of work even for the tiny model (4 x 1,000 took 10-17 s on an
-    # AVX2 Zen 3 box, and ended before the stop was seen on a Xeon with AMX)
+    # AVX2 Zen 3 box, and ended before the stop was seen on a Xeon with AMX); the prompt and
+    # 2,000 tokens fit --max-model-len 2048
     proc = _start(port, "--shutdown-grace-s", "60", "--max-model-len", "2048",
                   "--kv-cache-gib", "0.1")
     result: dict[str, object] = {}
