@@ -12,19 +12,22 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+/* VREGS: the vector registers of the level (MIXED_ROWS, the row tile, follows from them) */
 #if defined(__AVX512F__)
 #define VBYTES 64
-#define MIXED_ROWS 8
+#define VREGS 32
 #elif defined(__AVX__)
 #define VBYTES 32
-#define MIXED_ROWS 6
+#define VREGS 16
 #elif defined(__aarch64__)
+#include <arm_neon.h>
 #define VBYTES 16
-#define MIXED_ROWS 8
+#define VREGS 32
 #else
 #define VBYTES 16
-#define MIXED_ROWS 6
+#define VREGS 16
 #endif
+#define MIXED_ROWS (VREGS == 32 ? 8 : 6)
 #define LANES (VBYTES / 4)
 #define PANEL_MIXED (2 * LANES) /* output columns per panel: two vectors */
 #define ROW_BLOCK 48 /* rows of x per block: 48 x 1536 floats is 288 KiB */
