@@ -524,10 +524,10 @@ INLINE void block_values(const float *scores, int64_t len, int64_t group, const 
    blocks, head_dim % LANES == 0 (a constant at the call sites). Memory in the bf16 path's order
    (key blocks asked for PF_BLOCKS ahead, each block's values while its keys are scored, the next
    task's blocks meanwhile), but only each block's first VEC_PF_LINES lines: the hardware
-   prefetcher follows a block once its first lines are asked for. Zen 3 (AVX2), bench-135m's shapes over 30 layers' caches: whole blocks
-   asked for were no faster than none, and 20-35% slower with the caches in L3; 1-2 lines of
-   each were the best of 0, 1, 2, 4, 8 and whole, by 2-8%. Returns nonzero if its buffer could
-   not be allocated. */
+   prefetcher follows a block once its first lines are asked for. Zen 3 (AVX2), bench-135m's
+   shapes over 30 layers' caches: whole blocks asked for were no faster than none, and 20-35%
+   slower with the caches in L3; 1-2 lines of each were the best of 0, 1, 2, 4, 8 and whole, by
+   2-8%. Returns nonzero if its buffer could not be allocated. */
 INLINE int attend_vec(const void *q, const void *k_cache, const void *v_cache,
                       const int64_t *table, int64_t len, void *out, int64_t b, int64_t h,
                       int64_t heads, int64_t group, const int64_t head_dim, int64_t slots,
@@ -549,7 +549,8 @@ INLINE int attend_vec(const void *q, const void *k_cache, const void *v_cache,
             prefetch_block(k_cache, head_base + table[i + PF_BLOCKS] * elems, dtype, span);
         prefetch_block(v_cache, head_base + table[i] * elems, dtype, span);
         const int64_t n = len - 16 * i < 16 ? len - 16 * i : 16;
-        const float *k = block_rows(k_cache, head_base + table[i] * elems, dtype, n, head_dim, rows);
+        const int64_t base = head_base + table[i] * elems;
+        const float *k = block_rows(k_cache, base, dtype, n, head_dim, rows);
         block_scores(qf, group, head_dim, k, n, scores + 16 * i, len);
     }
     for (int64_t g = 0; g < group; g++) {
@@ -565,7 +566,8 @@ INLINE int attend_vec(const void *q, const void *k_cache, const void *v_cache,
     memset(acc, 0, sizeof(float) * (size_t)(group * head_dim));
     for (int64_t i = 0; i < blocks; i++) {
         const int64_t n = len - 16 * i < 16 ? len - 16 * i : 16;
-        const float *v = block_rows(v_cache, head_base + table[i] * elems, dtype, n, head_dim, rows);
+        const int64_t base = head_base + table[i] * elems;
+        const float *v = block_rows(v_cache, base, dtype, n, head_dim, rows);
         block_values(scores + 16 * i, len, group, head_dim, v, n, acc);
         prefetch_next(next, k_cache, v_cache, i, i + 1, elems, dtype, span);
     }
