@@ -132,10 +132,10 @@ async def measure_round(http: httpx.AsyncClient, base_url: str, model: str, stre
     background = None
     if beside is not None:
         first = asyncio.Event()
-        # half as long again as the streams (at least 32 tokens more) and cancelled once they
-        # end: it decodes beside them however late they start on a loaded machine (a margin
-        # of 32 steps alone was not enough)
-        body = {**_stream_body(model, -1, max_tokens + max(32, max_tokens // 2)), **beside}
+        # twice as long as the streams (and 32 tokens more), cancelled once they end: it
+        # decodes beside them however late they start on a loaded machine (a margin of 32
+        # steps alone was not enough, half as long again once in a clean-clone suite)
+        body = {**_stream_body(model, -1, 2 * max_tokens + 32), **beside}
         if "stop_token_ids" in beside:
             body["min_tokens"] = body["max_tokens"]
         background = asyncio.ensure_future(stream_chat(http, url, body, first))

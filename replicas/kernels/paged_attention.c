@@ -371,6 +371,21 @@ INLINE int attend_dp(const uint16_t *q, const uint16_t *k_cache, const uint16_t 
 }
 #endif
 
+/* Each query head's scores [len] (rows `len` apart) into probabilities; for a part, into
+   exp(score - max), its max and sum kept for `combine`. */
+INLINE void softmax_heads(float *scores, int64_t group, int64_t len, const Part *part) {
+    for (int64_t g = 0; g < group; g++) {
+        float *sg = scores + g * len, max;
+        const float sum = exp_shifted(sg, len, &max);
+        if (part) {
+            part->max[g] = max, part->sum[g] = sum;
+            continue;
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t j = 0; j < len; j++) sg[j] *= inv;
+    }
+}
+
 /* ---- float32 sums over blocks in vectors: every ISA level (vec.h's width) -------------------
    16-token blocks, head dims a multiple of LANES. Scores: for each query head of the group, one
    vector of partial products per key, summed across lanes LANES keys at a time (sum_lanes), so a
@@ -553,16 +568,7 @@ INLINE int attend_vec(const void *q, const void *k_cache, const void *v_cache,
         const float *k = block_rows(k_cache, base, dtype, n, head_dim, rows);
         block_scores(qf, group, head_dim, k, n, scores + 16 * i, len);
     }
-    for (int64_t g = 0; g < group; g++) {
-        float *sg = scores + g * len, max;
-        const float sum = exp_shifted(sg, len, &max);
-        if (part) {
-            part->max[g] = max, part->sum[g] = sum;
-            continue;
-        }
-        const float inv = 1.0f / sum;
-        for (int64_t j = 0; j < len; j++) sg[j] *= inv;
-    }
+    softmax_heads(scores, group, len, part);
     memset(acc, 0, sizeof(float) * (size_t)(group * head_dim));
     for (int64_t i = 0; i < blocks; i++) {
         const int64_t n = len - 16 * i < 16 ? len - 16 * i : 16;
@@ -616,16 +622,7 @@ INLINE int attend(
             }
         }
     }
-    for (int64_t g = 0; g < group; g++) {
-        float *sg = scores + g * len, max;
-        const float sum = exp_shifted(sg, len, &max);
-        if (part) {
-            part->max[g] = max, part->sum[g] = sum;
-            continue;
-        }
-        const float inv = 1.0f / sum;
-        for (int64_t j = 0; j < len; j++) sg[j] *= inv;
-    }
+    softmax_heads(scores, group, len, part);
     memset(acc, 0, sizeof(float) * (size_t)(group * head_dim));
     for (int64_t start = 0; start < len; start += block_size) {
         const int64_t base = head_base + table[start / block_size] * block_size * head_dim;
