@@ -37,7 +37,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=256,
-                   help="tokens per stream (ignore_eos); long enough to span many steps")
+                   help="tokens per stream (ignore_eos); long enough to span many steps (the "
+                        "request beside them asks for twice as many and 32 more: the model's "
+                        "context must hold those and the prompt)")
     p.add_argument("--rounds", type=int, default=3, help="alone/beside pairs per case")
     p.add_argument("--cases", default=",".join(CASES),
                    help=f"comma-separated, of {', '.join(CASES)}")
