@@ -53,7 +53,7 @@ def test_rounds_alternate_against_a_server_and_the_report_has_each_ratio(fake_se
     # a warm-up round, then per case and round: 3 streams alone, the capped request + 3 streams
     assert len(sent) == 3 + 2 * 2 * (3 + 3 + 1)
     capped = [b for b in sent if "allowed_token_ids" in b]
-    assert len(capped) == 2 and all(b["max_tokens"] == 4 + 32 for b in capped)
+    assert len(capped) == 2 and all(b["max_tokens"] == 2 * 4 + 32 for b in capped)
     assert all(b["min_tokens"] == b["max_tokens"] for b in capped)  # stop ids held off
     assert [r.case for r in results] == ["plain", "all"]
     for r in results:
