@@ -126,6 +126,20 @@ INLINE void prefetch_block(const void *cache, int64_t base, int dtype, int64_t e
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
 }
 
+/* The scoring loop's asks at block i of a task: on the first block, the keys of the first
+   PF_BLOCKS; then the keys PF_BLOCKS ahead and block i's values, which are summed once every
+   key is scored; the first `span` elements of each block */
+INLINE void prefetch_scoring(const void *k_cache, const void *v_cache, const int64_t *table,
+                             int64_t i, int64_t blocks, int64_t head_base, int64_t elems,
+                             int dtype, int64_t span) {
+    if (i == 0)
+        for (int64_t j = 0; j < blocks && j < PF_BLOCKS; j++)
+            prefetch_block(k_cache, head_base + table[j] * elems, dtype, span);
+    if (i + PF_BLOCKS < blocks)
+        prefetch_block(k_cache, head_base + table[i + PF_BLOCKS] * elems, dtype, span);
+    prefetch_block(v_cache, head_base + table[i] * elems, dtype, span);
+}
+
 /* The task a thread does after this one (dealt ahead: deal.h), whose blocks it asks
    for while this one's values are summed from L2: that phase and the softmax read no memory,
    and without the next task's blocks coming meanwhile the cores stalled on each task's first
@@ -299,12 +313,8 @@ INLINE int attend_dp(const uint16_t *q, const uint16_t *k_cache, const uint16_t 
 #else
     (void)tiles;
 #endif
-    for (int64_t i = 0; i < blocks && i < PF_BLOCKS; i++)
-        prefetch_block(k_cache, head_base + table[i] * elems, BF16, elems);
     for (int64_t i = 0; i < blocks; i++) {
-        if (i + PF_BLOCKS < blocks)
-            prefetch_block(k_cache, head_base + table[i + PF_BLOCKS] * elems, BF16, elems);
-        prefetch_block(v_cache, head_base + table[i] * elems, BF16, elems);
+        prefetch_scoring(k_cache, v_cache, table, i, blocks, head_base, elems, BF16, elems);
         const uint16_t *kb = k_cache + head_base + table[i] * elems;
         const int64_t n = len - 16 * i < 16 ? len - 16 * i : 16;
 #if HAVE_TILES
@@ -557,12 +567,8 @@ INLINE int attend_vec(const void *q, const void *k_cache, const void *v_cache,
     for (int64_t i = 0; i < group * head_dim; i++) qf[i] *= scale;
     const int64_t span = VEC_PF_LINES * 64 / (dtype == BF16 ? 2 : 4);
 
-    for (int64_t i = 0; i < blocks && i < PF_BLOCKS; i++)
-        prefetch_block(k_cache, head_base + table[i] * elems, dtype, span);
     for (int64_t i = 0; i < blocks; i++) {
-        if (i + PF_BLOCKS < blocks)
-            prefetch_block(k_cache, head_base + table[i + PF_BLOCKS] * elems, dtype, span);
-        prefetch_block(v_cache, head_base + table[i] * elems, dtype, span);
+        prefetch_scoring(k_cache, v_cache, table, i, blocks, head_base, elems, dtype, span);
         const int64_t n = len - 16 * i < 16 ? len - 16 * i : 16;
         const int64_t base = head_base + table[i] * elems;
         const float *k = block_rows(k_cache, base, dtype, n, head_dim, rows);
