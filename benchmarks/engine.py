@@ -43,6 +43,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                         "CPUs 4")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--num-threads", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.6,
@@ -64,9 +65,9 @@ def roofline_step_s(server: LLMServer, batch: int, repeats: int = 5) -> float:
     # the layers' own weights may be packed for the native kernel: torch multiplies copies
     # of their logical shape
     linears = [m for m in model.modules() if isinstance(m, LINEARS)]
-    # the compute dtype (the cache's): a block-quantized weight is uint8
+    # the compute dtype (the runner's): a block-quantized weight is uint8
     runner = server.core.engine.executor.worker.runner  # type: ignore[attr-defined]
-    device, dtype = linears[0].weight.device, runner.kv_cache.dtype
+    device, dtype = linears[0].weight.device, runner.dtype
     weights = [torch.randn(m.out_features, m.in_features, dtype=dtype, device=device)
                for m in linears]
     x = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype, device=device)
@@ -144,6 +145,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     in_process = args.core == "in-process"
     server = LLMServer(ReplicaConfig(
         model=args.model, max_model_len=max_len, dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_gib=(args.kv_cache_gib if args.kv_cache_gib is not None
                       else None if torch.cuda.is_available() else 4.0),
         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
@@ -164,7 +166,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out_tokens = sum(o for _, o in lens)
     in_tokens = sum(i for i, _ in lens)
     result = {
-        "model": args.model, "dtype": server.info()["dtype"], "core": args.core,
+        "model": args.model, "dtype": server.info()["dtype"],
+        "kv_cache_dtype": server.info()["kv_cache_dtype"], "core": args.core,
         "async_scheduling": server.info()["async_scheduling"], "num_seqs": n,
         "input_tokens": in_tokens, "output_tokens": out_tokens, "elapsed_s": elapsed,
         "output_tokens_per_s": out_tokens / elapsed,

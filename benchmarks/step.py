@@ -21,6 +21,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", default="1,8,32,64,128")
     p.add_argument("--context", type=int, default=512, help="cached tokens per row")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-dtype", choices=["float32", "bfloat16", "float16"],
+                   help="the KV cache's (default: --dtype's)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--num-threads", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (as vLLM's flag)")
@@ -73,7 +75,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                  max(batches) * blocks_per_row + 1, block,
                                  num_threads=args.num_threads, max_num_seqs=max(batches),
                                  max_model_len=args.context + block,
-                                 cuda_graphs=not args.enforce_eager)
+                                 cuda_graphs=not args.enforce_eager,
+                                 kv_cache_dtype=args.kv_cache_dtype)
     worker = ShardWorker(worker_config)
     model, device = worker.runner.model, worker.device
     peer = None
@@ -85,7 +88,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_bytes_per_token = (2 * config.num_hidden_layers * config.num_key_value_heads * head_dim
-                          * next(model.parameters()).element_size())
+                          * worker.runner.kv_cache.element_size())
     bandwidth = read_bandwidth(device)
     out: dict[str, Any] = {
         "model": args.model, "device": torch_device_name(device),

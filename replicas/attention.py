@@ -96,12 +96,13 @@ def gather_fields(tables: torch.Tensor, lens: torch.Tensor, head_offsets: torch.
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     stored: bool = False) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [Hkv, slots, D]. Returns [T, H, D].
+    """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [Hkv, slots, D], of q's type or narrower (a
+    bf16 cache under float32 compute: what is read from it is widened). Returns [T, H, D].
     stored: k and v are in the cache already (kernels.rope_store put them there)."""
     if not stored:
         # index_copy_/index_select: much faster on CPU than advanced-index assignment and gather
-        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
+        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
     if meta.native_decode and not meta.prefill_rows:
         # every token is a decode row's, in row order: no selecting and scattering
         return kernels.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
@@ -125,7 +126,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                                 out=_buffer(meta.decode_k_buffer, k_cache, rows, index))
         vd = torch.index_select(v_cache.view(rows), 0, index,
                                 out=_buffer(meta.decode_v_buffer, v_cache, rows, index))
-        kd, vd = kd.view(shape), vd.view(shape)
+        kd, vd = kd.view(shape).to(q.dtype), vd.view(shape).to(q.dtype)
         o = decode_attention(q.index_select(0, meta.decode_token_index), kd, vd,
                              meta.decode_mask, scale)
         out.index_copy_(0, meta.decode_token_index, o)
@@ -136,13 +137,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     for row in meta.prefill_rows:
         qp = q[row.start:row.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
         if row.context_slots is None:
-            kp = k[row.start:row.end].transpose(0, 1).unsqueeze(0)
-            vp = v[row.start:row.end].transpose(0, 1).unsqueeze(0)
+            # rounded as the cache holds them, so a prompt's tokens do not depend on its chunks
+            kp = _as_cached(k[row.start:row.end], k_cache).transpose(0, 1).unsqueeze(0)
+            vp = _as_cached(v[row.start:row.end], v_cache).transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale,
                                                enable_gqa=True)
         else:
-            kp = k_cache.index_select(1, row.context_slots).unsqueeze(0)  # [1, Hkv, ctx, D]
-            vp = v_cache.index_select(1, row.context_slots).unsqueeze(0)
+            # [1, Hkv, ctx, D]
+            kp = k_cache.index_select(1, row.context_slots).unsqueeze(0).to(q.dtype)
+            vp = v_cache.index_select(1, row.context_slots).unsqueeze(0).to(q.dtype)
             nq, nk = qp.shape[2], kp.shape[2]
             # query i sits at absolute position nk - nq + i and sees keys up to it
             mask = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(diagonal=nk - nq)
@@ -167,6 +170,10 @@ def _varlen_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         vp = vp.repeat_interleave(q.shape[1] // vp.shape[1], dim=1)
     return varlen_attn(q.index_select(0, pv.token_index), kp, vp, pv.cu_q, pv.cu_k, pv.max_q,
                        pv.max_k, scale=scale, window_size=(-1, 0), **gqa)
+
+
+def _as_cached(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == cache.dtype else x.to(cache.dtype).to(x.dtype)
 
 
 def _buffer(buf: torch.Tensor | None, cache: torch.Tensor, rows: tuple[int, int],

@@ -93,8 +93,7 @@ def resolve_dtype(name: str, hf_config: Any, on_gpu: bool | None = None,
     on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
     if quantized:
         return "bfloat16" if on_gpu else "float32"
-    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    dtype = str(dtype).removeprefix("torch.") if dtype is not None else "float32"
+    dtype = _checkpoint_dtype(hf_config)
     if dtype not in ("float32", "bfloat16", "float16"):
         return "float32"
     if on_gpu:
@@ -102,6 +101,36 @@ def resolve_dtype(name: str, hf_config: Any, on_gpu: bool | None = None,
     if dtype == "float32":
         return dtype
     return str(isa.compute_dtype()).removeprefix("torch.")
+
+
+def _checkpoint_dtype(hf_config: Any) -> str:
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    return str(dtype).removeprefix("torch.") if dtype is not None else "float32"
+
+
+def resolve_kv_cache_dtype(name: str, dtype: str, hf_config: Any, on_gpu: bool,
+                           quantized: bool = False, dtype_auto: bool = True) -> str:
+    """The KV cache's dtype beside compute in `dtype`: `name` unless "auto"; then, where
+    `--dtype auto` (`dtype_auto`) chose float32 on a CPU for a bf16 or float16 checkpoint or a
+    block-quantized one, bf16 (the cache kept at the checkpoint's precision, as its weights are:
+    half the bytes each decode step's attention reads, and twice the tokens in the same memory;
+    llama.cpp's cache is 16-bit too); else `dtype`, as vLLM's "auto". A cache holds the compute
+    dtype or, on CPUs, bf16 under float32 compute; anything else is a ValueError."""
+    if name == "auto":
+        narrow = quantized or _checkpoint_dtype(hf_config) in ("bfloat16", "float16")
+        if (dtype_auto and not on_gpu and dtype == "float32" and narrow
+                and kernels.supports_cache(torch.float32, torch.bfloat16, torch.device("cpu"))):
+            return "bfloat16"
+        return dtype
+    if name == dtype:
+        return name
+    if on_gpu or (dtype, name) != ("float32", "bfloat16"):
+        raise ValueError(f"--kv-cache-dtype {name} beside compute in {dtype}: the cache holds the "
+                         "compute dtype, or bfloat16 under float32 compute on CPUs")
+    if not kernels.supports_cache(torch.float32, torch.bfloat16, torch.device("cpu")):
+        logger.warning("--kv-cache-dtype bfloat16 without the native CPU kernels: the torch path "
+                       "widens every cached key and value it reads")
+    return name
 
 
 def _tokenizer_size(path: Path) -> int | None:
@@ -124,16 +153,19 @@ class EngineCore:
         hf_config = AutoConfig.from_pretrained(path)
         on_gpu = (torch.cuda.is_available() if config.tensor_parallel_size == 1
                   else config.shard_num_gpus > 0)
-        dtype = resolve_dtype(config.dtype, hf_config, on_gpu,
-                              quantized=(path / LINK).exists() or config.quantization is not None)
-        logger.info("%s computes in %s (--dtype %s; CPU kernels: %s)", config.model, dtype,
-                    config.dtype, "-" if on_gpu else isa.selected())
+        quantized = (path / LINK).exists() or config.quantization is not None
+        dtype = resolve_dtype(config.dtype, hf_config, on_gpu, quantized)
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, hf_config, on_gpu,
+                                          quantized, dtype_auto=config.dtype == "auto")
+        logger.info("%s computes in %s over a %s KV cache (--dtype %s, --kv-cache-dtype %s; CPU "
+                    "kernels: %s)", config.model, dtype, kv_dtype, config.dtype,
+                    config.kv_cache_dtype, "-" if on_gpu else isa.selected())
         decoder = text_config(hf_config)  # the KV cache's and the vocabulary's dimensions
         max_len = config.max_model_len or int(getattr(decoder, "max_position_embeddings", 2048))
         head_dim = (getattr(decoder, "head_dim", None)
                     or decoder.hidden_size // decoder.num_attention_heads)
         bytes_per_token = (2 * decoder.num_hidden_layers * decoder.num_key_value_heads
-                           * head_dim * torch.finfo(getattr(torch, dtype)).bits // 8)
+                           * head_dim * torch.finfo(getattr(torch, kv_dtype)).bits // 8)
         shape = kv_budget.BlockShape(bytes_per_token * config.block_size,
                                      -(-max_len // config.block_size), config.max_num_seqs)
         kv_gib = kv_budget.cache_gib(config.kv_cache_gib, on_gpu)
@@ -146,7 +178,8 @@ class EngineCore:
                                      cuda_graphs=not config.enforce_eager,
                                      quantization=config.quantization,
                                      gpu_memory_utilization=config.gpu_memory_utilization,
-                                     max_num_batched_tokens=config.max_num_batched_tokens)
+                                     max_num_batched_tokens=config.max_num_batched_tokens,
+                                     kv_cache_dtype=kv_dtype)
         compute = compute_thread()
         # built on the thread that will run it: one OpenMP team for all torch work (at tp > 1,
         # rank 0's)
@@ -167,7 +200,7 @@ class EngineCore:
         self.compiler: Compiler | None = None
         self.info = {"model_path": str(path), "max_model_len": max_len,
                      "vocab_size": int(decoder.vocab_size), "dtype": dtype,
-                     "isa": None if on_gpu else isa.selected(), "on_gpu": on_gpu,
+                     "kv_cache_dtype": kv_dtype, "isa": None if on_gpu else isa.selected(), "on_gpu": on_gpu,
                      "shard_num_parameters": executor.shard_sizes(),
                      "weights": executor.weight_formats(), "pid": os.getpid(),
                      "cuda_graphs": executor.cuda_graphs(),
@@ -259,6 +292,7 @@ class EngineCore:
         e = self.engine
         return {"max_model_len": self.info["max_model_len"],
                 "vocab_size": self.info["vocab_size"], "dtype": self.info["dtype"],
+                "kv_cache_dtype": self.info["kv_cache_dtype"],
                 "isa": self.info["isa"], "weights": self.info["weights"],
                 "quant_activations": self.info["quant_activations"],
                 "num_running": e.num_running, "num_waiting": e.num_waiting,

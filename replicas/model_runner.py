@@ -124,7 +124,7 @@ class TokenLayout:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int,
                  graphs: StepGraphs | None = None, logits_on_device: bool = False,
-                 encoder_cache_rows: int = 16384) -> None:
+                 encoder_cache_rows: int = 16384, dtype: torch.dtype | None = None) -> None:
         self.model = model
         self.multimodal = bool(getattr(model, "modalities", ()))
         # M-RoPE (Qwen2.5-VL): the model's positions are [3, T], from each row's `mrope`
@@ -139,7 +139,10 @@ class ModelRunner:
         self._workspace: torch.Tensor | None = None
         self.kv_cache = kv_cache
         self.block_size = block_size
-        self.native_decode = kernels.supports_paged_decode(kv_cache.dtype, kv_cache.device)
+        # dtype: the activations' (None: the cache's); a bf16 cache may hold float32 compute's
+        self.dtype = kv_cache.dtype if dtype is None else dtype
+        self.native_decode = kernels.supports_paged_decode(self.dtype, kv_cache.device,
+                                                           kv_cache.dtype)
         # on CPUs every prefill token is attended as a decode row of its own (its context: the
         # positions up to it): the C kernel beat SDPA's causal flash attention at every prompt
         # length measured (137 tokens 1.8x, 512 1.45x, 2048 1.05x; bench-135m heads, 2 cores).

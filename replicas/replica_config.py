@@ -12,6 +12,7 @@ class ReplicaConfig:
     model: str
     max_model_len: int | None = None
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # engine_core.resolve_kv_cache_dtype
     tensor_parallel_size: int = 1
     block_size: int = 16
     # None: on GPUs what gpu_memory_utilization leaves once the weights are loaded, on CPUs

@@ -47,6 +47,8 @@ class WorkerConfig:
     gpu_memory_utilization: float = 0.9
     # the largest prefill chunk: the activations the GPU's KV budget leaves room for
     max_num_batched_tokens: int = 2048
+    # the KV cache's element type; None: the compute dtype's (engine_core.resolve_kv_cache_dtype)
+    kv_cache_dtype: str | None = None
 
 
 def weight_formats(model: torch.nn.Module) -> dict[str, int]:
@@ -128,16 +130,17 @@ class ShardWorker:
         graphs = (config.cuda_graphs and self.device.type == "cuda" and config.tp_size == 1
                   and config.max_num_seqs > 0 and config.max_model_len > 0
                   and not getattr(model, "uses_mrope", False))
+        kv_dtype = torch_dtype(config.kv_cache_dtype or config.dtype)
         self.num_blocks = config.num_blocks or self._blocks_from_memory(
-            text_config(hf_config), kv_heads, head_dim, dtype)
+            text_config(hf_config), kv_heads, head_dim, kv_dtype, dtype)
         # with graphs, one block past the block manager's takes the padding rows' writes
         blocks = self.num_blocks + (1 if graphs else 0)
         shape = (text_config(hf_config).num_hidden_layers, 2, kv_heads,
                  blocks * config.block_size, head_dim)
         if self.device.type == "cpu":
-            kv_cache = host_memory.zeros(shape, dtype)
+            kv_cache = host_memory.zeros(shape, kv_dtype)
         else:
-            kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+            kv_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
         step_graphs = None
         if graphs:
             step_graphs = StepGraphs(
@@ -148,17 +151,18 @@ class ShardWorker:
             logger.info("captured %d CUDA graphs (steps of up to %d tokens) in %.1f s",
                         len(step_graphs.graphs), step_graphs.max_tokens, seconds)
         self.runner = ModelRunner(model, kv_cache, config.block_size, step_graphs,
-                                  logits_on_device=config.logits_on_device)
+                                  logits_on_device=config.logits_on_device, dtype=dtype)
 
     def _blocks_from_memory(self, decoder: Any, kv_heads: int, head_dim: int,
-                            dtype: torch.dtype) -> int:
+                            kv_dtype: torch.dtype, dtype: torch.dtype) -> int:
         """The KV blocks that fit on this GPU beside the loaded weights (kv_budget)."""
         config = self.config
         if self.device.type != "cuda":
             raise ValueError("a CPU shard's KV cache is sized in GiB (num_blocks > 0)")
         width = torch.finfo(dtype).bits // 8
         shape = kv_budget.BlockShape(
-            2 * decoder.num_hidden_layers * kv_heads * head_dim * config.block_size * width,
+            2 * decoder.num_hidden_layers * kv_heads * head_dim * config.block_size
+            * (torch.finfo(kv_dtype).bits // 8),
             -(-config.max_model_len // config.block_size), config.max_num_seqs)
         heads = decoder.num_attention_heads // config.tp_size
         reserve = kv_budget.activation_reserve(

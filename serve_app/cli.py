@@ -46,6 +46,10 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--max-replicas", type=int, help="turns on autoscaling")
     p.add_argument("--target-ongoing-requests", type=float)
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the KV cache's element type (default auto: the compute dtype, but "
+                        "bfloat16 where --dtype auto computes a 16-bit or quantized checkpoint "
+                        "in float32 on a CPU; bfloat16 under float32 compute is the one mix)")
     p.add_argument("--kv-cache-gib", type=float,
                    help="the KV cache's size per replica (default: on GPUs what "
                         "--gpu-memory-utilization leaves beside the weights, on CPUs 0.5)")
@@ -139,6 +143,7 @@ def config_from_args(args: argparse.Namespace):
                   "max_model_len": args.max_model_len,
                   "tensor_parallel_size": args.tensor_parallel_size,
                   "num_replicas": args.num_replicas, "dtype": args.dtype,
+                  "kv_cache_dtype": args.kv_cache_dtype,
                   "kv_cache_gib": args.kv_cache_gib,
                   "gpu_memory_utilization": args.gpu_memory_utilization,
                   "max_num_seqs": args.max_num_seqs,

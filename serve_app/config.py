@@ -36,6 +36,9 @@ class ModelConfig(BaseModel):
     served_model_name: str | None = None
     max_model_len: int | None = Field(None, ge=16)
     dtype: str = Field("auto", pattern="^(auto|float32|bfloat16|float16)$")
+    # the KV cache's element type: "auto" is the compute dtype, but bfloat16 where --dtype auto
+    # computes a 16-bit or quantized checkpoint in float32 on a CPU (engine_core.py)
+    kv_cache_dtype: str = Field("auto", pattern="^(auto|float32|bfloat16|float16)$")
     tensor_parallel_size: int = Field(1, ge=1)
     num_replicas: int = Field(1, ge=1)
     autoscaling_config: AutoscalingConfig | None = None
@@ -127,6 +130,7 @@ class ModelConfig(BaseModel):
             async_scheduling=self.async_scheduling,
             step_timeout_s=self.step_timeout_s, core_niceness=self.core_niceness,
             model=self.checkpoint, max_model_len=self.max_model_len, dtype=self.dtype,
+            kv_cache_dtype=self.kv_cache_dtype,
             quantization=self.quantization,
             tensor_parallel_size=self.tensor_parallel_size, block_size=self.block_size,
             kv_cache_gib=self.kv_cache_gib, gpu_memory_utilization=self.gpu_memory_utilization,

@@ -404,16 +404,16 @@ class Ingress:
     @app.get("/version")
     async def version(self) -> dict:
         """The server's version and, per served model whose replicas reported, what it computes
-        with: dtype, CPU kernel level (None on GPUs), its linears' weight formats and kernels, and
-        what its 4-bit linears multiply (None without them) (from the replicas' stats: answered
-        at peak without a call to them)."""
+        with: dtype, the KV cache's dtype, CPU kernel level (None on GPUs), its linears' weight
+        formats and kernels, and what its 4-bit linears multiply (None without them) (from the
+        replicas' stats: answered at peak without a call to them)."""
         self.board.start()
         models = {}
         for served in self.registry.models.values():
             for stats in self.board.fresh(served.name):
                 if "weights" in stats:
                     models[served.name] = {k: stats.get(k) for k in (
-                        "dtype", "isa", "weights", "quant_activations")}
+                        "dtype", "kv_cache_dtype", "isa", "weights", "quant_activations")}
                     break
         return {"version": VERSION, "models": models}
 

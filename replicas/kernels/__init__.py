@@ -113,6 +113,7 @@ def build(compiler: str, level: str, link: list[str]) -> Path:
 
 _PTR, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 # each kernel's C arguments; the library exports one function per dtype, NAME_f32 and NAME_bf16
+# (and the cache's kernels NAME_f32_bf16kv: float32 activations over a bf16 cache)
 _SIGNATURES = {
     "paged_decode_attention": [_PTR] * 6 + [_I64] * 7 + [_F32, _INT],
     "add_rms_norm": [_PTR, _PTR, _PTR, _F32, _PTR, _I64, _I64, _INT],
@@ -120,6 +121,10 @@ _SIGNATURES = {
     "silu_mul": [_PTR, _PTR, _I64, _I64, _INT],
 }
 _SUFFIX = {torch.float32: "_f32", torch.bfloat16: "_bf16"}
+_CACHE_KERNELS = ("paged_decode_attention", "rope_store")
+# (activations, cache) pairs the cache's kernels take
+_CACHE_PAIRS = {(torch.float32, torch.float32): "", (torch.bfloat16, torch.bfloat16): "",
+                (torch.float32, torch.bfloat16): "_bf16kv"}
 _LAYERS = [_PTR, _I64] + [_PTR] * 3 + [_I64] * 6 + [_F32] * 2 + [_PTR] * 5 + [_I64] * 3 + [_INT]
 # one-type kernels: the linears over packed weights and the decoder layers built on them
 _SINGLE_SIGNATURES = {
@@ -128,6 +133,7 @@ _SINGLE_SIGNATURES = {
     "linear_q": [_PTR] * 4 + [_I64] * 3 + [_INT], "linear_q_activations": [],
     "linear_q_set_activations": [_INT],
     "llama_layers_bf16": _LAYERS, "llama_layers_f32": _LAYERS, "llama_layers_q": _LAYERS,
+    "llama_layers_f32_bf16kv": _LAYERS, "llama_layers_q_bf16kv": _LAYERS,
     "fma_peak": [_I64, _INT], "bf16_peak": [_I64, _INT],
     "topk_f32": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _INT],
     "argmax_f32": [_PTR, _I64, _I64, _PTR, _INT],
@@ -141,7 +147,10 @@ _SINGLE_SIGNATURES = {
 
 def _declare(lib: ctypes.CDLL) -> None:
     for name, argtypes in _SIGNATURES.items():
-        for suffix in _SUFFIX.values():
+        suffixes = list(_SUFFIX.values())
+        if name in _CACHE_KERNELS:
+            suffixes.append(_SUFFIX[torch.float32] + _CACHE_PAIRS[torch.float32, torch.bfloat16])
+        for suffix in suffixes:
             fn = getattr(lib, name + suffix)
             fn.restype = ctypes.c_int
             fn.argtypes = argtypes
@@ -194,6 +203,12 @@ def _open() -> ctypes.CDLL | None:
 
 def supports(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype in _SUFFIX and load() is not None
+
+
+def supports_cache(dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `rope_store` and `paged_decode_attention` take activations of `dtype` over a
+    cache of `kv_dtype` on this CPU: the same type, or float32 over bf16."""
+    return (dtype, kv_dtype) in _CACHE_PAIRS and supports(dtype, device)
 
 
 @cache
@@ -256,28 +271,36 @@ def _has_triton() -> bool:
             and find_spec("triton") is not None)
 
 
-def supports_paged_decode(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether `paged_decode_attention` runs for caches of `dtype` on `device`: the native
-    kernel on CPUs, Triton's on CUDA (float16, bfloat16, float32)."""
+def supports_paged_decode(dtype: torch.dtype, device: torch.device,
+                          kv_dtype: torch.dtype | None = None) -> bool:
+    """Whether `paged_decode_attention` runs for queries of `dtype` over caches of `kv_dtype`
+    (None: the same) on `device`: the native kernel on CPUs, Triton's on CUDA (float16,
+    bfloat16, float32, the cache of the queries' type)."""
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
     if device.type == "cuda":
-        return dtype in (torch.float16, torch.bfloat16, torch.float32) and _has_triton()
-    return supports(dtype, device)
+        return (dtype == kv_dtype and dtype in (torch.float16, torch.bfloat16, torch.float32)
+                and _has_triton())
+    return supports_cache(dtype, kv_dtype, device)
 
 
-def _kernel(name: str, dtype: torch.dtype | None = None):
-    """The library's `name` for `dtype` (None: a single-dtype kernel); callers check `supports`
-    first."""
+def _kernel(name: str, dtype: torch.dtype | None = None, kv_dtype: torch.dtype | None = None):
+    """The library's `name` for `dtype` (None: a single-dtype kernel) over a cache of
+    `kv_dtype` (the cache's kernels); callers check `supports` or `supports_cache` first."""
     lib = load()
     if lib is None:
         raise RuntimeError("native kernels are not available")
-    return getattr(lib, name if dtype is None else name + _SUFFIX[dtype])
+    if dtype is None:
+        return getattr(lib, name)
+    cache = "" if kv_dtype is None else _CACHE_PAIRS[dtype, kv_dtype]
+    return getattr(lib, name + _SUFFIX[dtype] + cache)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            block_size: int, scale: float) -> torch.Tensor:
     """q [B, H, D]; caches [Hkv, slots, D]; block_tables [B, nb] int64; context_lens [B] int64.
-    Returns [B, H, D]. Call only where `supports_paged_decode(q.dtype, q.device)`."""
+    Returns [B, H, D]. Call only where `supports_paged_decode(q.dtype, q.device,
+    k_cache.dtype)`."""
     if q.device.type == "cuda":
         from replicas.kernels import triton_attention
         return triton_attention.paged_decode_attention(q, k_cache, v_cache, block_tables,
@@ -289,7 +312,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty_like(q)
     b, h, d = q.shape
     kv_heads, slots, _ = k_cache.shape
-    failed = _kernel("paged_decode_attention", q.dtype)(
+    failed = _kernel("paged_decode_attention", q.dtype, k_cache.dtype)(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         context_lens.data_ptr(), out.data_ptr(), b, h, kv_heads, d, slots // block_size,
         block_size, block_tables.shape[1], scale, torch.get_num_threads())
@@ -319,12 +342,13 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                heads: int, kv_heads: int) -> None:
     """Rotates the q and k heads of qkv [T, heads + 2 * kv_heads, D] in place (cos, sin:
     [T, 1, D/2]) and stores the rotated keys and the values at slot_mapping [T] int64 of the
-    caches [kv_heads, slots, D]. Call only where `supports(qkv.dtype, qkv.device)`."""
+    caches [kv_heads, slots, D] (rounded to their type). Call only where
+    `supports_cache(qkv.dtype, k_cache.dtype, qkv.device)`."""
     if not (qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
             and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()):
         raise ValueError("rope_store wants contiguous qkv, cos, sin and int64 slots")
     tokens, _, dim = qkv.shape
-    _kernel("rope_store", qkv.dtype)(
+    _kernel("rope_store", qkv.dtype, k_cache.dtype)(
         qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(),
         k_cache.data_ptr(), v_cache.data_ptr(), tokens, heads, kv_heads, dim, k_cache.shape[1],
         torch.get_num_threads())
@@ -607,6 +631,7 @@ class LlamaShape:
     eps: float
     scale: float
     quantized: bool = False  # projections packed by quant.pack (float32 activations)
+    bf16_cache: bool = False  # float32 activations over a bf16 cache
 
 
 def llama_layers(layers: ctypes.Array, shape: LlamaShape, x: torch.Tensor, cos: torch.Tensor,
@@ -625,6 +650,8 @@ def llama_layers(layers: ctypes.Array, shape: LlamaShape, x: torch.Tensor, cos: 
     out, residual = torch.empty_like(x), torch.empty_like(x)
     name = "llama_layers_q" if shape.quantized else {
         torch.bfloat16: "llama_layers_bf16", torch.float32: "llama_layers_f32"}[x.dtype]
+    if shape.bf16_cache:
+        name += "_bf16kv"  # (float32 activations only: _layer_table's check)
     failed = _kernel(name)(
         layers, len(layers), x.data_ptr(), out.data_ptr(), residual.data_ptr(), x.shape[0],
         shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.inter, shape.eps,

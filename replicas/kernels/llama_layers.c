@@ -1,13 +1,14 @@
 /* Every decoder layer of a Llama-family model (Llama, Mistral, Qwen2) on CPUs, in one call per
    step (bf16 over AVX512-BF16-packed weights; float32 over bf16 weights widened in registers, or
-   over 4/8-bit block-quantized weights): the same kernels the Python layers call, in the same order, so the hidden states
-   are bit-identical, without the Python between them.
+   over 4/8-bit block-quantized weights): the same kernels the Python layers call, in the same
+   order, so the hidden states are bit-identical, without the Python between them.
 
    Per layer the Python path made ~25 interpreter-level calls (modules, kernel wrappers, views,
    output allocations): ~130 us a layer, ~4 ms of a 40 ms 32-row decode step of bench-135m's 30
    layers. Here a layer is nine C calls on buffers carved once per step from one allocation.
 
-   Weights are packed (linear.c: `linear_bf16`'s or `linear_mixed`'s layout); the caches are each layer's [kv_heads, slots, head_dim]; every
+   Weights are packed (linear.c: `linear_bf16`'s or `linear_mixed`'s layout); the caches are each
+   layer's [kv_heads, slots, head_dim] (of the activations' type, or bf16: `_bf16kv`); every
    token of the step is a decode row of the attention (prefill tokens included, as the model
    runner describes them on CPUs). Tensor parallelism (the all-reduces), Qwen3's q/k norms and an
    o_proj bias are not done here: the model keeps its Python layers for those. */
@@ -38,6 +39,11 @@ typedef int (*silu_fn)(const void *, void *, int64_t, int64_t, int);
     int silu_mul_##SUFFIX(const void *, void *, int64_t, int64_t, int);
 DECLARE(bf16)
 DECLARE(f32)
+int rope_store_f32_bf16kv(void *, const void *, const void *, const int64_t *, void *, void *,
+                          int64_t, int64_t, int64_t, int64_t, int64_t, int);
+int paged_decode_attention_f32_bf16kv(const void *, const void *, const void *, const int64_t *,
+                                      const int64_t *, void *, int64_t, int64_t, int64_t,
+                                      int64_t, int64_t, int64_t, int64_t, float, int);
 int linear_bf16(const void *, const void *, const void *, void *, int64_t, int64_t, int64_t, int);
 int linear_mixed(const void *, const void *, const void *, void *, int64_t, int64_t, int64_t, int);
 int linear_q(const void *, const void *, const void *, void *, int64_t, int64_t, int64_t, int);
@@ -104,22 +110,25 @@ static int layers(const Ops *ops, const Layer *layers, int64_t num_layers, const
     return failed;
 }
 
-#define LLAMA_LAYERS(NAME, ELEM, SUFFIX, LINEAR)                                                 \
+#define LLAMA_LAYERS(NAME, ELEM, SUFFIX, LINEAR, KV)                                             \
     int NAME(const Layer *l, int64_t n, const void *x, void *out, void *residual, int64_t T,    \
              int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter,  \
              float eps, float scale, const void *cos, const void *sin, const int64_t *slots,    \
              const int64_t *tables, const int64_t *lens, int64_t max_blocks,                    \
              int64_t cache_slots, int64_t block_size, int num_threads) {                         \
-        static const Ops ops = {ELEM, add_rms_norm_##SUFFIX, LINEAR, rope_store_##SUFFIX,        \
-                                paged_decode_attention_##SUFFIX, silu_mul_##SUFFIX};             \
+        static const Ops ops = {ELEM, add_rms_norm_##SUFFIX, LINEAR, rope_store_##SUFFIX##KV,    \
+                                paged_decode_attention_##SUFFIX##KV, silu_mul_##SUFFIX};         \
         return layers(&ops, l, n, x, out, residual, T, hidden, heads, kv_heads, head_dim, inter, \
                       eps, scale, cos, sin, slots, tables, lens, max_blocks, cache_slots,        \
                       block_size, num_threads);                                                  \
     }
 
 /* bf16 activations over linear_bf16's packing (AVX512-BF16) */
-LLAMA_LAYERS(llama_layers_bf16, 2, bf16, linear_bf16)
-/* float32 activations over linear_mixed's packing (every other level) */
-LLAMA_LAYERS(llama_layers_f32, 4, f32, linear_mixed)
-/* float32 activations over block-quantized weights (quant_linear.c's packing) */
-LLAMA_LAYERS(llama_layers_q, 4, f32, linear_q)
+LLAMA_LAYERS(llama_layers_bf16, 2, bf16, linear_bf16, )
+/* float32 activations over linear_mixed's packing (every other level), the cache float32 or
+   bf16 */
+LLAMA_LAYERS(llama_layers_f32, 4, f32, linear_mixed, )
+LLAMA_LAYERS(llama_layers_f32_bf16kv, 4, f32, linear_mixed, _bf16kv)
+/* float32 activations over block-quantized weights (quant_linear.c's packing), likewise */
+LLAMA_LAYERS(llama_layers_q, 4, f32, linear_q, )
+LLAMA_LAYERS(llama_layers_q_bf16kv, 4, f32, linear_q, _bf16kv)

@@ -7,6 +7,9 @@
    past PART_TOKENS over parts of it too (Part, combine); the library links the libgomp torch has
    loaded, so it shares torch's thread pool instead of adding one.
 
+   The cache holds the activations' type, or bf16 under float32 activations (`--kv-cache-dtype`:
+   half the bytes to read, widened as each block is read).
+
    Built by replicas/kernels/__init__.py with -O3 and -ffast-math; the softmax's exp is
    exp_approx.h's, inline and vectorised. */
 
@@ -556,7 +559,7 @@ INLINE void block_values(const float *scores, int64_t len, int64_t group, const 
 INLINE int attend_vec(const void *q, const void *k_cache, const void *v_cache,
                       const int64_t *table, int64_t len, void *out, int64_t b, int64_t h,
                       int64_t heads, int64_t group, const int64_t head_dim, int64_t slots,
-                      float scale, int dtype, const Next *next, const Part *part) {
+                      float scale, int dtype, int kv, const Next *next, const Part *part) {
     const int64_t elems = 16 * head_dim, head_base = h * slots * head_dim, blocks = (len + 15) / 16;
     /* scores [group, len] | q [group, D] | acc [group, D] | one block in float [16, D] */
     float *buf = scratch(sizeof(float) * (size_t)(group * len + (2 * group + 16) * head_dim));
@@ -565,13 +568,13 @@ INLINE int attend_vec(const void *q, const void *k_cache, const void *v_cache,
     float *rows = acc + group * head_dim;
     load_row(q, (b * heads + h * group) * head_dim, dtype, qf, group * head_dim);
     for (int64_t i = 0; i < group * head_dim; i++) qf[i] *= scale;
-    const int64_t span = VEC_PF_LINES * 64 / (dtype == BF16 ? 2 : 4);
+    const int64_t span = VEC_PF_LINES * 64 / (kv == BF16 ? 2 : 4);
 
     for (int64_t i = 0; i < blocks; i++) {
-        prefetch_scoring(k_cache, v_cache, table, i, blocks, head_base, elems, dtype, span);
+        prefetch_scoring(k_cache, v_cache, table, i, blocks, head_base, elems, kv, span);
         const int64_t n = len - 16 * i < 16 ? len - 16 * i : 16;
         const int64_t base = head_base + table[i] * elems;
-        const float *k = block_rows(k_cache, base, dtype, n, head_dim, rows);
+        const float *k = block_rows(k_cache, base, kv, n, head_dim, rows);
         block_scores(qf, group, head_dim, k, n, scores + 16 * i, len);
     }
     softmax_heads(scores, group, len, part);
@@ -579,11 +582,11 @@ INLINE int attend_vec(const void *q, const void *k_cache, const void *v_cache,
     for (int64_t i = 0; i < blocks; i++) {
         const int64_t n = len - 16 * i < 16 ? len - 16 * i : 16;
         const int64_t base = head_base + table[i] * elems;
-        const float *v = block_rows(v_cache, base, dtype, n, head_dim, rows);
+        const float *v = block_rows(v_cache, base, kv, n, head_dim, rows);
         block_values(scores + 16 * i, len, group, head_dim, v, n, acc);
-        prefetch_next(next, k_cache, v_cache, i, i + 1, elems, dtype, span);
+        prefetch_next(next, k_cache, v_cache, i, i + 1, elems, kv, span);
     }
-    prefetch_next(next, k_cache, v_cache, blocks, INT64_MAX, elems, dtype, span);
+    prefetch_next(next, k_cache, v_cache, blocks, INT64_MAX, elems, kv, span);
     if (part)
         memcpy(part->acc, acc, sizeof(float) * (size_t)(group * head_dim));
     else
@@ -597,7 +600,7 @@ INLINE int attend_vec(const void *q, const void *k_cache, const void *v_cache,
 INLINE int attend(
     const void *q, const void *k_cache, const void *v_cache, const int64_t *table, int64_t len,
     void *out, int64_t b, int64_t h, int64_t heads, int64_t group, int64_t head_dim,
-    int64_t slots, int64_t block_size, float scale, int dtype, const Part *part) {
+    int64_t slots, int64_t block_size, float scale, int dtype, int kv, const Part *part) {
     const int64_t head_base = h * slots * head_dim;
     /* scores [group, len] | q [group, D] | acc [group, D] | one key or value row [D] */
     float *buf = scratch(sizeof(float) * (size_t)(group * len + (2 * group + 1) * head_dim));
@@ -612,13 +615,13 @@ INLINE int attend(
     /* block by block: no division per key. All of the task's keys and values are asked for
        up front (a row's blocks are scattered, so the hardware prefetcher cannot follow them). */
     const int64_t blocks = (len + block_size - 1) / block_size, elems = block_size * head_dim;
-    for (int64_t i = 0; i < blocks; i++) prefetch_block(k_cache, head_base + table[i] * elems, dtype, elems);
-    for (int64_t i = 0; i < blocks; i++) prefetch_block(v_cache, head_base + table[i] * elems, dtype, elems);
+    for (int64_t i = 0; i < blocks; i++) prefetch_block(k_cache, head_base + table[i] * elems, kv, elems);
+    for (int64_t i = 0; i < blocks; i++) prefetch_block(v_cache, head_base + table[i] * elems, kv, elems);
     for (int64_t start = 0; start < len; start += block_size) {
         const int64_t base = head_base + table[start / block_size] * block_size * head_dim;
         const int64_t n = len - start < block_size ? len - start : block_size;
         for (int64_t t = 0; t < n; t++) {
-            load_row(k_cache, base + t * head_dim, dtype, row, head_dim);
+            load_row(k_cache, base + t * head_dim, kv, row, head_dim);
             for (int64_t g = 0; g < group; g++) {
                 const float *qg = qf + g * head_dim;
                 float s = 0.0f;
@@ -634,7 +637,7 @@ INLINE int attend(
         const int64_t base = head_base + table[start / block_size] * block_size * head_dim;
         const int64_t n = len - start < block_size ? len - start : block_size;
         for (int64_t t = 0; t < n; t++) {
-            load_row(v_cache, base + t * head_dim, dtype, row, head_dim);
+            load_row(v_cache, base + t * head_dim, kv, row, head_dim);
             for (int64_t g = 0; g < group; g++) {
                 const float p = scores[g * len + start + t];
                 float *ag = acc + g * head_dim;
@@ -698,20 +701,20 @@ INLINE int attend_dp_any(const void *q, const void *k, const void *v, const int6
 #endif
 
 /* One task: the AVX512-BF16 path where it applies, else the vector path, else the row loops;
-   the first two ask for `next`'s blocks meanwhile. Returns nonzero if its buffer could not be
-   allocated. */
+   the first two ask for `next`'s blocks meanwhile. dtype: q's and out's; kv: the cache's (bf16
+   under float32 compute, or the same). Returns nonzero if its buffer could not be allocated. */
 INLINE int attend_task(const void *q, const void *k, const void *v, const int64_t *table,
                        int64_t len, void *out, int64_t b, int64_t h, int64_t heads, int64_t group,
                        int64_t head_dim, int64_t slots, int64_t block_size, float scale, int dtype,
-                       const Next *next, const Part *part, int tiles) {
-    if (DP_OK(dtype, block_size, head_dim))
+                       int kv, const Next *next, const Part *part, int tiles) {
+    if (kv == dtype && DP_OK(dtype, block_size, head_dim))
         return ATTEND_DP(q, k, v, table, len, out, b, h, heads, group, head_dim, slots, scale,
                          next, part, tiles);
     (void)tiles;
     if (block_size == 16 && head_dim % LANES == 0) {
         /* the common head dims as constants, so the vector loops unroll */
 #define VEC(D) attend_vec(q, k, v, table, len, out, b, h, heads, group, D, slots, scale, dtype, \
-                          next, part)
+                          kv, next, part)
         switch (head_dim) {
         case 64: return VEC(64);
         case 128: return VEC(128);
@@ -720,7 +723,7 @@ INLINE int attend_task(const void *q, const void *k, const void *v, const int64_
 #undef VEC
     }
     return attend(q, k, v, table, len, out, b, h, heads, group, head_dim, slots, block_size,
-                  scale, dtype, part);
+                  scale, dtype, kv, part);
 }
 
 /* Inside a call's parallel region: `tiles` says whether this thread's tiles hold the scores'
@@ -794,12 +797,12 @@ INLINE void task_of(const Tasks *t, const int64_t *lens, int64_t task, int64_t *
     *len = (end < lens[*b] ? end : lens[*b]) - start;
 }
 
-/* q, out: [B, H, D]; k_cache, v_cache: [Hkv, num_blocks * block_size, D];
+/* q, out: [B, H, D] of DTYPE; k_cache, v_cache: [Hkv, num_blocks * block_size, D] of KV;
    block_tables: [B, max_blocks]; context_lens: [B]. Returns nonzero if a buffer failed.
-   One function per dtype, each with its own parallel region, so the dtype is a constant inside
-   the outlined loop body. (row, kv head, part) tasks are dealt ahead (deal.h), so that each can
+   One function per pair of dtypes, each with its own parallel region, so they are constants
+   inside the outlined loop body. (row, kv head, part) tasks are dealt ahead (deal.h), so that each can
    ask for the next one's blocks meanwhile (`Next`); the parts of split rows are combined after. */
-#define EXPORT(NAME, DTYPE)                                                                     \
+#define EXPORT(NAME, DTYPE, KV)                                                                 \
     int NAME(const void *q, const void *k, const void *v, const int64_t *tables,                \
              const int64_t *lens, void *out, int64_t batch, int64_t heads, int64_t kv_heads,    \
              int64_t head_dim, int64_t num_blocks, int64_t block_size, int64_t max_blocks,      \
@@ -834,7 +837,7 @@ INLINE void task_of(const Tasks *t, const int64_t *lens, int64_t task, int64_t *
                         next.head_base = after % kv_heads * slots * head_dim;                   \
                     }                                                                           \
                     if (attend_task(q, k, v, tables + b * max_blocks, lens[b], out, b, h,       \
-                                    heads, group, head_dim, slots, block_size, scale, DTYPE,    \
+                                    heads, group, head_dim, slots, block_size, scale, DTYPE, KV,\
                                     after < tasks ? &next : NULL, NULL, tiles))                 \
                         failed = 1;                                                             \
                 }                                                                               \
@@ -869,7 +872,8 @@ INLINE void task_of(const Tasks *t, const int64_t *lens, int64_t task, int64_t *
                         next.head_base = nh * slots * head_dim;                                 \
                     }                                                                           \
                     if (attend_task(q, k, v, table, len, out, b, h, heads, group, head_dim,     \
-                                    slots, block_size, scale, DTYPE, after < t1 ? &next : NULL, \
+                                    slots, block_size, scale, DTYPE, KV,                        \
+                                    after < t1 ? &next : NULL,                                  \
                                     count == 1 ? NULL : &part, tiles))                          \
                         failed = 1;                                                             \
                 }                                                                               \
@@ -898,5 +902,7 @@ INLINE void task_of(const Tasks *t, const int64_t *lens, int64_t task, int64_t *
         return failed;                                                                          \
     }
 
-EXPORT(paged_decode_attention_f32, F32)
-EXPORT(paged_decode_attention_bf16, BF16)
+EXPORT(paged_decode_attention_f32, F32, F32)
+EXPORT(paged_decode_attention_bf16, BF16, BF16)
+/* float32 compute over a bf16 cache (--kv-cache-dtype bfloat16) */
+EXPORT(paged_decode_attention_f32_bf16kv, F32, BF16)

@@ -78,7 +78,8 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = qkv.view(-1, heads + 2 * kv_heads, dim)
-        stored = not self.qk_norm and kernels.supports(qkv.dtype, qkv.device)
+        stored = not self.qk_norm and kernels.supports_cache(qkv.dtype, k_cache.dtype,
+                                                             qkv.device)
         if stored:
             # rotated in place and the keys and values stored into the cache in one native call
             kernels.rope_store(qkv, *rope, meta.slot_mapping, k_cache, v_cache, heads, kv_heads)
@@ -191,17 +192,18 @@ class LlamaForCausalLM(nn.Module):
 
     def _layer_table(self, kv_cache: torch.Tensor) -> Any:
         attn = self.layers[0].self_attn
+        dtype = self.layers[0].input_layernorm.weight.dtype  # the activations' (the norms' own)
         if (tp_size() > 1 or attn.qk_norm
-                or not kernels.supports(kv_cache.dtype, kv_cache.device)):
+                or not kernels.supports_cache(dtype, kv_cache.dtype, kv_cache.device)):
             return None
 
         def packing(weight: torch.Tensor) -> str | None:
             """bf16 over AVX512-BF16 packing (4-d), float32 over bf16 packing (3-d) or over
             block-quantized packing (uint8)"""
             if weight.dtype == torch.uint8:
-                return "quantized" if kv_cache.dtype == torch.float32 else None
+                return "quantized" if dtype == torch.float32 else None
             return {(torch.bfloat16, 4): "bf16", (torch.float32, 3): "mixed"}.get(
-                (kv_cache.dtype, weight.dim()))
+                (dtype, weight.dim()))
 
         table = (kernels.LlamaLayer * len(self.layers))()
         kinds = set()
@@ -221,7 +223,8 @@ class LlamaForCausalLM(nn.Module):
         self._native_shape = kernels.LlamaShape(
             self.config.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
             self.layers[0].mlp.gate_up_proj.out_features // 2,
-            self.layers[0].input_layernorm.eps, attn.scale, kinds == {"quantized"})
+            self.layers[0].input_layernorm.eps, attn.scale, kinds == {"quantized"},
+            bf16_cache=dtype != kv_cache.dtype)
         return table
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -125,10 +125,12 @@ def test_linear_q(cross: Cross, fmt: quant.BlockFormat, rows: int) -> None:
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
 
-@pytest.mark.parametrize("suffix", list(DTYPES))
+@pytest.mark.parametrize("suffix", [*DTYPES, "f32_bf16kv"])
 def test_paged_decode_attention(cross: Cross, suffix: str) -> None:
-    dtype = DTYPES[suffix]
-    q, k_cache, v_cache, tables, lens = _case(dtype, 6, [1, 16, 17, 40, 3])
+    dtype = DTYPES[suffix.split("_")[0]]
+    q, k_cache, v_cache, tables, lens = _case(torch.bfloat16 if suffix.endswith("kv") else dtype,
+                                              6, [1, 16, 17, 40, 3])
+    q = q.to(dtype)  # (f32_bf16kv: float32 queries over a bf16 cache)
     b, h, d = q.shape
     out = torch.empty_like(q)
     failed, (*_, got) = cross(f"paged_decode_attention_{suffix}", q, k_cache, v_cache,

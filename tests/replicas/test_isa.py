@@ -14,7 +14,8 @@ import pytest
 import torch
 import transformers
 
-from replicas.engine_core import resolve_dtype
+from replicas import kernels
+from replicas.engine_core import resolve_dtype, resolve_kv_cache_dtype
 from replicas.kernels import isa
 from tests.replicas import isa_steps
 
@@ -91,6 +92,25 @@ def test_auto_dtype_is_what_the_cpu_computes_fast(checkpoint: str) -> None:
                       else str(isa.compute_dtype()).removeprefix("torch."))
     assert resolve_dtype("auto", config, on_gpu=True) == checkpoint
     assert resolve_dtype("bfloat16", config, on_gpu=False) == "bfloat16"
+
+
+@pytest.mark.parametrize("checkpoint", ["float32", "bfloat16", "float16"])
+def test_auto_kv_cache_keeps_a_16_bit_checkpoints_precision_under_float32(checkpoint: str) -> None:
+    """--kv-cache-dtype auto: the compute dtype, but bf16 where --dtype auto computes a 16-bit
+    (or quantized) checkpoint in float32 on a CPU; explicit mixes other than that one fail."""
+    config = transformers.LlamaConfig(dtype=checkpoint)
+    widened = checkpoint != "float32" and kernels.load() is not None
+    assert resolve_kv_cache_dtype("auto", "float32", config, on_gpu=False) == (
+        "bfloat16" if widened else "float32")
+    assert resolve_kv_cache_dtype("auto", "float32", config, on_gpu=False,
+                                  dtype_auto=False) == "float32"  # --dtype float32 asked for
+    assert resolve_kv_cache_dtype("auto", "bfloat16", config, on_gpu=False) == "bfloat16"
+    assert resolve_kv_cache_dtype("auto", checkpoint, config, on_gpu=True) == checkpoint
+    assert resolve_kv_cache_dtype("bfloat16", "float32", config, on_gpu=False) == "bfloat16"
+    for kv, dtype, gpu in (("float32", "bfloat16", False), ("float16", "float32", False),
+                           ("bfloat16", "float32", True)):
+        with pytest.raises(ValueError, match="--kv-cache-dtype"):
+            resolve_kv_cache_dtype(kv, dtype, config, on_gpu=gpu)
 
 
 @pytest.fixture(scope="module")

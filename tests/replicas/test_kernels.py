@@ -130,6 +130,33 @@ def test_kernel_ignores_slots_past_the_context(dtype: torch.dtype, lens: list[in
     assert torch.equal(before, after)
 
 
+# 36: the row loops on x86; 64 and 128 the vector path; lengths past a part (2,048) split
+@pytest.mark.parametrize("dim,lens", [(36, [1, 17, 100]), (64, [1, 15, 16, 17, 100, 3]),
+                                      (128, [3, 2049, 40])])
+def test_float32_queries_over_a_bf16_cache_give_the_widened_caches_bits(
+        dim: int, lens: list[int]) -> None:
+    """--kv-cache-dtype bfloat16 under float32 compute: the kernel widens each block it reads,
+    so it gives the float32 kernel's bits over the same cache widened; and the reference's."""
+    q, k_cache, v_cache, tables, lens_t = _case(torch.bfloat16, 6, lens, dim=dim, blocks=400)
+    q = q.float() + 1e-3 * torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
+    assert kernels.supports_paged_decode(torch.float32, torch.device("cpu"), torch.bfloat16)
+    mixed = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens_t, BLOCK, 0.3)
+    assert mixed.dtype == torch.float32
+    wide = kernels.paged_decode_attention(q, k_cache.float(), v_cache.float(), tables, lens_t,
+                                          BLOCK, 0.3)
+    assert torch.equal(mixed, wide)
+    ref = _reference(q, k_cache, v_cache, tables, lens_t, 0.3)
+    torch.testing.assert_close(mixed.double(), ref, atol=1e-5, rtol=0)
+
+
+def test_only_float32_over_bf16_mixes() -> None:
+    cpu = torch.device("cpu")
+    assert kernels.supports_cache(torch.float32, torch.bfloat16, cpu)
+    assert not kernels.supports_cache(torch.bfloat16, torch.float32, cpu)
+    assert not kernels.supports_cache(torch.float32, torch.float16, cpu)
+    assert not kernels.supports_paged_decode(torch.float32, torch.device("cuda"), torch.bfloat16)
+
+
 def test_native_and_torch_decode_paths_agree() -> None:
     """paged_attention with the kernel and with the gather path (used on GPUs) give one result."""
     heads, lens = 6, [3, 40, 17]
@@ -203,6 +230,24 @@ def test_rope_store_matches_torch_rotation_and_cache_writes(dtype: torch.dtype,
     assert same(qkv[:, :heads + kv_heads], rotated)  # rotated in place
     assert torch.equal(qkv[:, heads + kv_heads:], values)  # values untouched
     assert same(k_cache, ref_k) and torch.equal(v_cache, ref_v)  # other slots untouched
+
+
+@pytest.mark.parametrize("tokens", [3, 70])
+def test_rope_store_rounds_float32_keys_and_values_into_a_bf16_cache(tokens: int) -> None:
+    g = torch.Generator().manual_seed(4)
+    heads, kv_heads, dim, slots = 6, 2, 64, 256
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, dim, generator=g)
+    angles = torch.rand(tokens, 1, dim // 2, generator=g) * 6
+    cos, sin = angles.cos(), angles.sin()
+    slot_mapping = torch.randperm(slots, generator=g)[:tokens]
+    k_cache, v_cache = (torch.randn(kv_heads, slots, dim, generator=g).bfloat16() for _ in "kv")
+    wide_k, wide_v = k_cache.float(), v_cache.float()
+    wide_qkv = qkv.clone()
+    kernels.rope_store(wide_qkv, cos, sin, slot_mapping, wide_k, wide_v, heads, kv_heads)
+    kernels.rope_store(qkv, cos, sin, slot_mapping, k_cache, v_cache, heads, kv_heads)
+    assert torch.equal(qkv, wide_qkv)  # the rotation in float32 as before
+    # the stored rows are the float32 ones rounded to nearest even; the rest of the cache as was
+    assert torch.equal(k_cache, wide_k.bfloat16()) and torch.equal(v_cache, wide_v.bfloat16())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -30,11 +30,12 @@ def _make(tmp: Path, arch: str) -> transformers.PreTrainedModel:
     return model.eval()
 
 
-def _worker(tmp: Path, num_blocks: int, attention: str) -> ShardWorker:
+def _worker(tmp: Path, num_blocks: int, attention: str,
+            kv_cache_dtype: str | None = None) -> ShardWorker:
     """A float32 worker on `tmp`'s model; attention "torch": the path of machines without the
     native kernels (gathered decode rows, SDPA per prefill row)."""
     worker = ShardWorker(WorkerConfig(str(tmp), "float32", num_blocks=num_blocks,
-                                      block_size=BLOCK))
+                                      block_size=BLOCK, kv_cache_dtype=kv_cache_dtype))
     if attention == "torch":
         worker.runner.native_decode = worker.runner.native_prefill = False
     return worker
@@ -102,6 +103,29 @@ def test_step_mixing_decode_and_prefill_rows_matches(tmp_path: Path, attention: 
             torch.testing.assert_close(out.logits[i], ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("attention", ["native", "torch"])
+def test_a_bf16_cache_under_float32_compute_stays_near_transformers(tmp_path: Path,
+                                                                   attention: str) -> None:
+    """--kv-cache-dtype bfloat16 beside float32 compute: keys and values rounded to bf16 as
+    they are stored; the logits stay transformers' float32 ones to bf16's precision, and a
+    prompt gives the same logits in one step as in chunks over its cached prefix."""
+    torch.manual_seed(3)
+    hf = _make(tmp_path, "llama")
+    worker = _worker(tmp_path, 32, attention, kv_cache_dtype="bfloat16")
+    assert worker.runner.kv_cache.dtype == torch.bfloat16
+    prompt = list(range(10, 30))
+    whole = worker.execute(StepInput((RowInput(tuple(prompt), 0, (1, 2, 3, 4, 5), True),)))
+    worker.execute(StepInput((RowInput(tuple(prompt[:9]), 0, (6, 7, 8, 9, 10), False),)))
+    chunked = worker.execute(StepInput((RowInput(tuple(prompt[9:]), 9, (6, 7, 8, 9, 10), True),)))
+    # (to float32's sums: torch's matmuls over the float32 weights round by the rows' count)
+    torch.testing.assert_close(whole.logits, chunked.logits, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0, -1]
+    err = (whole.logits[0] - ref).abs().max()
+    assert 0 < err <= 0.01 * ref.abs().max(), err  # rounded (not float32's bits), and close
+    assert int(whole.logits[0].argmax()) == int(ref.argmax())
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: the q/k/v biases
 def test_bfloat16_decode_matches_transformers(tmp_path: Path, arch: str) -> None:
     """In bf16 on CPUs the native kernels (linear, norms, rope, attention) replace torch's: the
@@ -127,14 +151,16 @@ def test_bfloat16_decode_matches_transformers(tmp_path: Path, arch: str) -> None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="workers pick a GPU")
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype,kv", [("bfloat16", None), ("float32", None),
+                                      ("float32", "bfloat16")])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_native_layers_match_the_python_layers_bit_for_bit(tmp_path: Path, arch: str,
-                                                           dtype: str) -> None:
+                                                           dtype: str, kv: str | None) -> None:
     """On CPUs every decoder layer in one native call (llama_layers.c) runs the Python layers'
     kernels in their order, so the logits are the same to the bit, over steps mixing fresh
     prefill, a chunk over a cached prefix and decode: in bf16 over AVX512-BF16 packing, and in
-    float32 over a bf16 checkpoint's weights kept as bf16 (every build)."""
+    float32 over a bf16 checkpoint's weights kept as bf16 (every build), its cache float32 or
+    bf16."""
     if dtype == "bfloat16" and not PACKS:
         pytest.skip("bf16 layers run natively on CPUs with AVX512-BF16")
     if kernels.load() is None:
@@ -142,8 +168,8 @@ def test_native_layers_match_the_python_layers_bit_for_bit(tmp_path: Path, arch:
     torch.manual_seed(4)
     hf = _make(tmp_path, arch)
     hf.to(torch.bfloat16).save_pretrained(tmp_path)  # a bf16 checkpoint
-    workers = [ShardWorker(WorkerConfig(str(tmp_path), dtype, num_blocks=32,
-                                        block_size=BLOCK)) for _ in range(2)]
+    workers = [ShardWorker(WorkerConfig(str(tmp_path), dtype, num_blocks=32, block_size=BLOCK,
+                                        kv_cache_dtype=kv)) for _ in range(2)]
     workers[1].runner.model._native_layers = lambda kv_cache, meta: None  # the Python layers
     a, b = [5, 17, 42, 7, 99, 3], list(range(40, 61))
     ta, tb = (2, 11), (7, 3, 14, 20, 9, 16)

@@ -43,6 +43,8 @@ def test_version_names_the_weight_formats(client: OpenAI) -> None:
         assert time.monotonic() < deadline, "no replica reported"
         time.sleep(0.5)
     assert models[DEFAULT_MODEL_ID]["dtype"] == "float32"
+    # the quantized checkpoint's cache in 16 bits beside float32 compute (--kv-cache-dtype auto)
+    assert models[DEFAULT_MODEL_ID]["kv_cache_dtype"] == "bfloat16"
     assert models[DEFAULT_MODEL_ID]["weights"] == {"Q8_0 embedding": 1, "Q4_1 linear_q": 120,
                                                    "Q8_0 linear_q": 1}
     # bfloat16 where the CPU has AVX512-BF16 dot products (kernels.quant_activations)
