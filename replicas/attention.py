@@ -173,6 +173,7 @@ def _varlen_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def _as_cached(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """x rounded to the cache's type and back (unchanged where they are one type)."""
     return x if x.dtype == cache.dtype else x.to(cache.dtype).to(x.dtype)
 
 

@@ -147,9 +147,8 @@ _SINGLE_SIGNATURES = {
 
 def _declare(lib: ctypes.CDLL) -> None:
     for name, argtypes in _SIGNATURES.items():
-        suffixes = list(_SUFFIX.values())
-        if name in _CACHE_KERNELS:
-            suffixes.append(_SUFFIX[torch.float32] + _CACHE_PAIRS[torch.float32, torch.bfloat16])
+        suffixes = ([_SUFFIX[dtype] + mix for (dtype, _), mix in _CACHE_PAIRS.items()]
+                    if name in _CACHE_KERNELS else _SUFFIX.values())
         for suffix in suffixes:
             fn = getattr(lib, name + suffix)
             fn.restype = ctypes.c_int
