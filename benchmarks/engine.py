@@ -43,7 +43,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                         "CPUs 4")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--num-threads", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.6,

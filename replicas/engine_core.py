@@ -200,7 +200,8 @@ class EngineCore:
         self.compiler: Compiler | None = None
         self.info = {"model_path": str(path), "max_model_len": max_len,
                      "vocab_size": int(decoder.vocab_size), "dtype": dtype,
-                     "kv_cache_dtype": kv_dtype, "isa": None if on_gpu else isa.selected(), "on_gpu": on_gpu,
+                     "kv_cache_dtype": kv_dtype, "isa": None if on_gpu else isa.selected(),
+                     "on_gpu": on_gpu,
                      "shard_num_parameters": executor.shard_sizes(),
                      "weights": executor.weight_formats(), "pid": os.getpid(),
                      "cuda_graphs": executor.cuda_graphs(),

@@ -800,8 +800,9 @@ INLINE void task_of(const Tasks *t, const int64_t *lens, int64_t task, int64_t *
 /* q, out: [B, H, D] of DTYPE; k_cache, v_cache: [Hkv, num_blocks * block_size, D] of KV;
    block_tables: [B, max_blocks]; context_lens: [B]. Returns nonzero if a buffer failed.
    One function per pair of dtypes, each with its own parallel region, so they are constants
-   inside the outlined loop body. (row, kv head, part) tasks are dealt ahead (deal.h), so that each can
-   ask for the next one's blocks meanwhile (`Next`); the parts of split rows are combined after. */
+   inside the outlined loop body. (row, kv head, part) tasks are dealt ahead (deal.h), so that
+   each can ask for the next one's blocks meanwhile (`Next`); the parts of split rows are
+   combined after. */
 #define EXPORT(NAME, DTYPE, KV)                                                                 \
     int NAME(const void *q, const void *k, const void *v, const int64_t *tables,                \
              const int64_t *lens, void *out, int64_t batch, int64_t heads, int64_t kv_heads,    \
@@ -837,8 +838,8 @@ INLINE void task_of(const Tasks *t, const int64_t *lens, int64_t task, int64_t *
                         next.head_base = after % kv_heads * slots * head_dim;                   \
                     }                                                                           \
                     if (attend_task(q, k, v, tables + b * max_blocks, lens[b], out, b, h,       \
-                                    heads, group, head_dim, slots, block_size, scale, DTYPE, KV,\
-                                    after < tasks ? &next : NULL, NULL, tiles))                 \
+                                    heads, group, head_dim, slots, block_size, scale, DTYPE,    \
+                                    KV, after < tasks ? &next : NULL, NULL, tiles))             \
                         failed = 1;                                                             \
                 }                                                                               \
                 TILES_END(tiles)                                                                \

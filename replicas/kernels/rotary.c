@@ -58,7 +58,7 @@ KERNEL_INLINE void rope_store_token(
         _Pragma("omp parallel for num_threads(num_threads) if (tokens >= 64)")                  \
         for (int64_t t = 0; t < tokens; t++)                                                    \
             rope_store_token(qkv, cos, sin, slots, k_cache, v_cache, t, heads, kv_heads,        \
-                             head_dim, cache_slots, DTYPE, KV);                                     \
+                             head_dim, cache_slots, DTYPE, KV);                                 \
         return 0;                                                                               \
     }
 
