@@ -20,9 +20,11 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="an embedded id (shardserve/bench-135m, shardserve/bench-1b) or a folder")
     p.add_argument("--batch-sizes", default="1,8,32,64,128")
     p.add_argument("--context", type=int, default=512, help="cached tokens per row")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--kv-cache-dtype", choices=["float32", "bfloat16", "float16"],
-                   help="the KV cache's (default: --dtype's)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="as the server's flag: auto is what the server computes in on this device")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   choices=["auto", "float32", "bfloat16", "float16"],
+                   help="as the server's flag")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--num-threads", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (as vLLM's flag)")
@@ -64,6 +66,10 @@ def read_bandwidth(device: Any, gib: float = 1.0) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from transformers import AutoConfig
+
+    from replicas.engine_core import resolve_dtypes
     from replicas.model_files import resolve_model_path
     from replicas.model_runner import RowInput, StepInput
     from replicas.worker import ShardWorker, WorkerConfig
@@ -71,12 +77,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     block = 16
     blocks_per_row = args.context // block + 1
-    worker_config = WorkerConfig(str(resolve_model_path(args.model)), args.dtype,
+    path = resolve_model_path(args.model)
+    dtype, kv_dtype = resolve_dtypes(args.dtype, args.kv_cache_dtype, path,
+                                     AutoConfig.from_pretrained(path), torch.cuda.is_available())
+    worker_config = WorkerConfig(str(path), dtype,
                                  max(batches) * blocks_per_row + 1, block,
                                  num_threads=args.num_threads, max_num_seqs=max(batches),
                                  max_model_len=args.context + block,
                                  cuda_graphs=not args.enforce_eager,
-                                 kv_cache_dtype=args.kv_cache_dtype)
+                                 kv_cache_dtype=kv_dtype)
     worker = ShardWorker(worker_config)
     model, device = worker.runner.model, worker.device
     peer = None
@@ -91,7 +100,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                           * worker.runner.kv_cache.element_size())
     bandwidth = read_bandwidth(device)
     out: dict[str, Any] = {
-        "model": args.model, "device": torch_device_name(device),
+        "model": args.model, "device": torch_device_name(device), "dtype": dtype,
+        "kv_cache_dtype": kv_dtype,
         "cuda_graphs": worker.runner.graphs is not None,
         "parameters": sum(p.numel() for p in model.parameters()),
         "weight_bytes": weight_bytes, "read_bandwidth_gb_s": bandwidth / 1e9,
@@ -137,7 +147,8 @@ def run_cli(args: argparse.Namespace) -> int:
     result = run(args)
     print(f"{result['model']} on {result['device']}: {result['parameters'] / 1e6:.0f}M parameters, "
           f"{result['weight_bytes'] / 1e9:.2f} GB of weights; read bandwidth "
-          f"{result['read_bandwidth_gb_s']:.1f} GB/s; context {args.context}; "
+          f"{result['read_bandwidth_gb_s']:.1f} GB/s; {result['dtype']} over a "
+          f"{result['kv_cache_dtype']} KV cache; context {args.context}; "
           f"CUDA graphs {'on' if result['cuda_graphs'] else 'off'}")
     peer = any("small_pages_median_ms" in r for r in result["steps"].values())
     print(f"{'batch':>6} {'step p50 ms':>12} {'min ms':>8} {'bound ms':>9} {'bound/step':>11} "

@@ -133,6 +133,16 @@ def resolve_kv_cache_dtype(name: str, dtype: str, hf_config: Any, on_gpu: bool,
     return name
 
 
+def resolve_dtypes(dtype: str, kv_cache_dtype: str, path: Path, hf_config: Any, on_gpu: bool,
+                   quantize: bool = False) -> tuple[str, str]:
+    """The compute and KV-cache dtypes of the checkpoint at `path` for `--dtype` and
+    `--kv-cache-dtype` (either may be "auto"); `quantize`: the weights are quantized at load."""
+    quantized = (path / LINK).exists() or quantize
+    compute = resolve_dtype(dtype, hf_config, on_gpu, quantized)
+    return compute, resolve_kv_cache_dtype(kv_cache_dtype, compute, hf_config, on_gpu, quantized,
+                                           dtype_auto=dtype == "auto")
+
+
 def _tokenizer_size(path: Path) -> int | None:
     file = path / "tokenizer.json"
     if not file.exists():
@@ -153,10 +163,8 @@ class EngineCore:
         hf_config = AutoConfig.from_pretrained(path)
         on_gpu = (torch.cuda.is_available() if config.tensor_parallel_size == 1
                   else config.shard_num_gpus > 0)
-        quantized = (path / LINK).exists() or config.quantization is not None
-        dtype = resolve_dtype(config.dtype, hf_config, on_gpu, quantized)
-        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, hf_config, on_gpu,
-                                          quantized, dtype_auto=config.dtype == "auto")
+        dtype, kv_dtype = resolve_dtypes(config.dtype, config.kv_cache_dtype, path, hf_config,
+                                         on_gpu, config.quantization is not None)
         logger.info("%s computes in %s over a %s KV cache (--dtype %s, --kv-cache-dtype %s; CPU "
                     "kernels: %s)", config.model, dtype, kv_dtype, config.dtype,
                     config.kv_cache_dtype, "-" if on_gpu else isa.selected())

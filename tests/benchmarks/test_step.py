@@ -14,11 +14,13 @@ def test_step_times_each_batch_and_its_bound(tmp_path) -> None:
     parser = argparse.ArgumentParser()
     step.add_cli_args(parser)
     args = parser.parse_args(["--model", "shardserve/tiny-llama", "--batch-sizes", "1,4",
-                              "--context", "40", "--repeats", "3", "--dtype", "float32",
+                              "--context", "40", "--repeats", "3",
                               "--result-json", str(tmp_path / "r.json")])
     assert step.run_cli(args) == 0
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["device"] == "cpu" and result["weight_bytes"] > 4e6 * 4
+    # --dtype auto, as the server resolves it: the float32 checkpoint computes in float32
+    assert (result["dtype"], result["kv_cache_dtype"]) == ("float32", "float32")
     steps = result["steps"]
     assert set(steps) == {"1", "4"}
     # a bigger batch reads more cache, so its bound is higher; every step takes some time
@@ -39,7 +41,8 @@ def test_small_pages_peer_steps_the_same_weights_off_the_huge_page_mapping(tmp_p
 
 def test_runs_without_ray_or_the_serving_stack() -> None:
     """What lets it run on a bare GPU machine: importing it pulls in neither Ray nor FastAPI."""
-    code = ("import sys, benchmarks.step, replicas.worker, replicas.model_files; "
+    code = ("import sys, benchmarks.step, replicas.worker, replicas.model_files, "
+            "replicas.engine_core; "
             "print(sorted(m for m in ('ray', 'fastapi', 'outlines') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

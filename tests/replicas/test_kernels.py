@@ -360,8 +360,8 @@ def test_loading_the_kernels_leaves_subnormal_floats_alone() -> None:
 # float32 compute over bf16-valued weights (linear_mixed), on every build: rows across the row
 # tile (6 or 8) and the 48-row block with remainders; n whole and ragged panels (8, 16 or 32)
 @pytest.mark.skipif(kernels.load() is None, reason="no native kernels here")
-@pytest.mark.parametrize("rows", [1, 5, 9, 50, 97])
-@pytest.mark.parametrize("n,k", [(8, 64), (13, 70), (37, 19), (96, 576)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 9, 50, 97])
+@pytest.mark.parametrize("n,k", [(8, 64), (13, 70), (37, 19), (96, 576), (200, 33)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_mixed_matches_float32_linear(rows: int, n: int, k: int, bias: bool) -> None:
     g = torch.Generator().manual_seed(rows * 1000 + n + k)
@@ -379,7 +379,23 @@ def test_linear_mixed_matches_float32_linear(rows: int, n: int, k: int, bias: bo
     assert ((out.double() - exact).abs() <= bound).all()
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.skipif(kernels.load() is None, reason="no native kernels here")
+@pytest.mark.parametrize("n,k", [(37, 19), (200, 576)])
+def test_linear_mixed_gives_a_row_the_same_bits_alone_as_in_any_batch(n: int, k: int) -> None:
+    """One or two rows go over several panels at once, more rows in tiles of 6 or 8 over one
+    panel: each column's sum runs over k in one order on every path, so a request's logits do
+    not depend on what shares its step (the engine's exactness tests rest on it)."""
+    g = torch.Generator().manual_seed(n + k)
+    x = torch.randn(64, k, generator=g)
+    w = torch.randn(n, k, generator=g).bfloat16().float()
+    b = torch.randn(n, generator=g)
+    packed = kernels.pack_mixed(w)
+    alone = torch.cat([kernels.linear_mixed(x[i:i + 1], packed, n, b) for i in range(len(x))])
+    for rows in (2, 3, 7, 32, 64):
+        assert torch.equal(kernels.linear_mixed(x[:rows], packed, n, b), alone[:rows]), rows
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
 def test_few_row_calls_give_the_same_bits_on_any_team(rows: int) -> None:
     """Up to 8 rows each thread streams a share of the panels and steals from the others'
     (deal.h's `Stolen`). Teams larger than the panels, than the ranges' split and than the
