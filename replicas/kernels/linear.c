@@ -346,16 +346,16 @@ KERNEL_INLINE void widen(const uint16_t *p, vf *w0, vf *w1) {
 FLOAT_TILE(mixed_tile, uint16_t, widen)
 PANEL_ROWS(mixed_panel_rows, mixed_tile, uint16_t)
 
-/* Rows m0 .. m0+MT (1-3) of x against G adjacent panels at once, from panel `first`. One panel
-   gives a row two accumulators, two chains of FMAs that cannot cover the FMA's latency (4 cycles,
-   2 a cycle: 8 chains), so a lone row ran at the chains' pace rather than memory's; G panels give
-   2 MT G. Each column's sum runs over k in mixed_tile's order, so a row's bits are the same
-   alone as in a batch. */
+/* Rows m0 .. m0+MT (1 or 2) of x against G adjacent panels at once, from panel `first`. One
+   panel gives a row two accumulators, two chains of FMAs that cannot cover the FMA's latency (4
+   cycles, 2 a cycle: 8 chains), so a lone row ran at the chains' pace rather than memory's: G
+   panels give 2 MT G. Each column's sum runs over k in mixed_tile's order, so a row's bits are
+   the same alone as in a batch. */
 KERNEL_INLINE void mixed_group(const float *x, const uint16_t *w, const float *bias, float *y,
                                int64_t N, int64_t K, int64_t m0, int64_t first, int MT, int G) {
     const int64_t panel_size = K * PANEL_MIXED;
     const uint16_t *panel = w + first * panel_size;
-    vf acc[4][8][2];
+    vf acc[4][2][2];
     for (int j = 0; j < G; j++)
         for (int i = 0; i < MT; i++) acc[j][i][0] = acc[j][i][1] = (vf){0};
     const float *xr[8];
@@ -371,8 +371,9 @@ KERNEL_INLINE void mixed_group(const float *x, const uint16_t *w, const float *b
 }
 
 /* the rows of a call of at most GROUP_ROWS rows over G = GROUP(M) panels at a time from `first`
-   (fewer at the matrix's end), G and M constants at each call so the accumulators stay in
-   registers (AVX2: 12 of 16 at M = 3) */
+   (fewer at the matrix's end), G and M constants at each call so the 8 accumulators stay in
+   registers. Three rows have 6 chains on one panel already: two panels at once measured no
+   faster there (Zen 3, avx2: 0.99x), one and two rows 1.12-1.34x and 1.18-1.26x. */
 #define GROUP_ROWS 2
 #define GROUP(M) ((M) == 1 ? 4 : 2)
 static void mixed_groups(const float *x, const uint16_t *w, const float *bias, float *y,
@@ -386,8 +387,6 @@ static void mixed_groups(const float *x, const uint16_t *w, const float *bias, f
         case 8 + 1: MIXED_GROUP(1, 1); break;
         case 16 + 2: MIXED_GROUP(2, 2); break;
         case 16 + 1: MIXED_GROUP(2, 1); break;
-        case 24 + 2: MIXED_GROUP(3, 2); break;
-        case 24 + 1: MIXED_GROUP(3, 1); break;
         default: break;
     }
 #undef MIXED_GROUP
@@ -407,7 +406,7 @@ int linear_mixed(const void *x, const void *w, const void *bias, void *y, int64_
     stolen_init(&stolen, M <= GROUP_ROWS ? groups : panels, num_threads);
 #pragma omp parallel num_threads(num_threads)
     if (M <= GROUP_ROWS) {
-        /* one stream's or a few streams' decode: each thread its share of the panel groups */
+        /* one or two streams' decode: each thread its share of the panel groups */
         FOR_STOLEN(t, &stolen, mixed_groups(xs, ws, bs, ys, M, N, K, t * GROUP(M), panels));
     } else if (M > STREAM_ROWS && M <= ROW_BLOCK) {
         /* decode batches: a panel at a time, the tiles asking for the thread's next panel
