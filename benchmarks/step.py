@@ -32,6 +32,15 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="on CPUs, also step a second copy of the model whose weights sit where "
                         "torch's allocator puts them (4 KB pages), alternating with the served "
                         "layout (one huge-page mapping: replicas/host_memory.py)")
+    p.add_argument("--interferers", type=int, default=0,
+                   help="on CPUs, also step beside this many processes that take the CPU in "
+                        "bursts, as the serving stack does (benchmarks/interference.py), "
+                        "alternating blocks of steps with them paused and running")
+    p.add_argument("--interferer-burst-us", type=float, default=60.0)
+    p.add_argument("--interferer-period-us", type=float, default=1200.0)
+    p.add_argument("--interferer-nice", type=int, default=0,
+                   help="their niceness (the served core runs at 5, Serve's replicas at 15, "
+                        "Ray's daemons at 0)")
     p.add_argument("--result-json", type=Path)
 
 
@@ -69,9 +78,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from transformers import AutoConfig
 
+    from replicas import kv_budget
     from replicas.engine_core import resolve_dtypes
     from replicas.model_files import resolve_model_path
-    from replicas.model_runner import RowInput, StepInput
     from replicas.worker import ShardWorker, WorkerConfig
 
     batches = [int(b) for b in args.batch_sizes.split(",")]
@@ -96,17 +105,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_bytes_per_token = (2 * config.num_hidden_layers * config.num_key_value_heads * head_dim
-                          * worker.runner.kv_cache.element_size())
+    kv_bytes_per_token = kv_budget.kv_bytes_per_token(
+        config.num_hidden_layers, config.num_key_value_heads, head_dim,
+        worker.runner.kv_cache.element_size())
     bandwidth = read_bandwidth(device)
-    out: dict[str, Any] = {
-        "model": args.model, "device": torch_device_name(device), "dtype": dtype,
-        "kv_cache_dtype": kv_dtype,
-        "cuda_graphs": worker.runner.graphs is not None,
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "weight_bytes": weight_bytes, "read_bandwidth_gb_s": bandwidth / 1e9,
-        "context": args.context, "steps": {}}
-    for b in batches:
+    interferers = None
+    if args.interferers:
+        if device.type != "cpu":
+            raise SystemExit("--interferers is for CPUs: a GPU step does not share its cores")
+        from benchmarks.interference import Interferers
+        interferers = Interferers(args.interferers, args.interferer_burst_us / 1e6,
+                                  args.interferer_period_us / 1e6, args.interferer_nice)
+    try:
+        return _steps(args, worker, peer, bandwidth, kv_bytes_per_token, interferers, {
+            "model": args.model, "device": torch_device_name(device), "dtype": dtype,
+            "kv_cache_dtype": kv_dtype, "cuda_graphs": worker.runner.graphs is not None,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "weight_bytes": weight_bytes, "read_bandwidth_gb_s": bandwidth / 1e9,
+            "context": args.context, "steps": {}})
+    finally:
+        if interferers is not None:
+            interferers.close()
+
+
+def _steps(args: argparse.Namespace, worker: Any, peer: Any, bandwidth: float,
+           kv_bytes_per_token: int, interferers: Any, out: dict[str, Any]) -> dict[str, Any]:
+    """Each batch size's steps, timed (beside the interferers too where there are some)."""
+    from replicas.model_runner import RowInput, StepInput
+
+    device, weight_bytes = worker.device, out["weight_bytes"]
+    blocks_per_row = args.context // worker.config.block_size + 1
+    for b in (int(b) for b in args.batch_sizes.split(",")):
         tables = [tuple(range(i * blocks_per_row + 1, (i + 1) * blocks_per_row + 1))
                   for i in range(b)]
         step = StepInput(tuple(RowInput((5,), args.context, tables[i], True) for i in range(b)))
@@ -116,12 +145,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 w.execute(step)
         sync(device)
         times: list[list[float]] = [[] for _ in workers]
-        for _ in range(args.repeats):
-            for w, acc in zip(workers, times):  # alternating: the box's drift hits both
-                t = time.perf_counter()
-                w.execute(step)
-                sync(device)
-                acc.append(time.perf_counter() - t)
+
+        def timed(w: Any) -> float:
+            t = time.perf_counter()
+            w.execute(step)
+            sync(device)
+            return time.perf_counter() - t
+
+        def alternating() -> None:  # the box's drift hits every worker alike
+            for w, acc in zip(workers, times):
+                acc.append(timed(w))
+        beside: list[float] = []
+        if interferers is None:
+            for _ in range(args.repeats):
+                alternating()
+        else:
+            # blocks of ~0.1 s with them paused, then running (in turn first), so that a block
+            # sees many of their bursts and the drift of the box falls on both
+            block = max(1, int(0.1 / max(timed(worker), 1e-4)))
+            mark = interferers.mark()
+            for r in range(-(-args.repeats // block)):
+                for running in ((False, True) if r % 2 == 0 else (True, False)):
+                    (interferers.run if running else interferers.pause)()
+                    for _ in range(block):
+                        if running:
+                            beside.append(timed(worker))
+                        else:
+                            alternating()
+            interferers.pause()
+            share = interferers.share(mark)
+            beside.sort()
         for acc in times:
             acc.sort()
         # reading each weight once and each row's cache once
@@ -133,6 +186,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            "tokens_per_s": b / median}
         if peer is not None:
             out["steps"][b]["small_pages_median_ms"] = times[1][len(times[1]) // 2] * 1e3
+        if beside:
+            slower = beside[len(beside) // 2] / median
+            # at ideal packing a compute-bound step takes 1 / (1 - share) as long
+            out["steps"][b].update({"beside_interferers_median_ms": beside[len(beside) // 2] * 1e3,
+                                    "interferers_share": share, "beside_over_alone": slower,
+                                    "loss_over_share": (slower - 1) / (share / (1 - share))
+                                    if share else None})
     return out
 
 
@@ -151,8 +211,16 @@ def run_cli(args: argparse.Namespace) -> int:
           f"{result['kv_cache_dtype']} KV cache; context {args.context}; "
           f"CUDA graphs {'on' if result['cuda_graphs'] else 'off'}")
     peer = any("small_pages_median_ms" in r for r in result["steps"].values())
+    beside = any("beside_interferers_median_ms" in r for r in result["steps"].values())
+    if beside:
+        print(f"interferers: {args.interferers} at niceness {args.interferer_nice}, each "
+              f"{args.interferer_burst_us:g} us of CPU every {args.interferer_period_us:g} us; "
+              "'their share': their CPU while running, of the whole box; 'loss / share': the "
+              "step's loss over what ideal packing would lose to that share")
     print(f"{'batch':>6} {'step p50 ms':>12} {'min ms':>8} {'bound ms':>9} {'bound/step':>11} "
-          f"{'tok/s':>9}" + (f" {'4 KB pages p50 ms':>18} {'4 KB / huge':>12}" if peer else ""))
+          f"{'tok/s':>9}" + (f" {'4 KB pages p50 ms':>18} {'4 KB / huge':>12}" if peer else "")
+          + (f" {'beside p50 ms':>14} {'their share':>12} {'beside/alone':>13} "
+             f"{'loss / share':>13}" if beside else ""))
     for b, r in result["steps"].items():
         line = (f"{b:>6} {r['median_ms']:>12.2f} {r['min_ms']:>8.2f} "
                 f"{r['bandwidth_bound_ms']:>9.2f} {r['bound_over_step']:>11.2f} "
@@ -160,6 +228,11 @@ def run_cli(args: argparse.Namespace) -> int:
         if peer:
             small = r["small_pages_median_ms"]
             line += f" {small:>18.2f} {small / r['median_ms']:>11.2f}x"
+        if beside:
+            ratio = r["loss_over_share"]
+            line += (f" {r['beside_interferers_median_ms']:>14.2f} "
+                     f"{100 * r['interferers_share']:>11.1f}% {r['beside_over_alone']:>12.3f}x "
+                     + (f"{ratio:>13.2f}" if ratio is not None else f"{'-':>13}"))
         print(line)
     if args.result_json:
         args.result_json.write_text(json.dumps(result, indent=2))

@@ -172,8 +172,9 @@ class EngineCore:
         max_len = config.max_model_len or int(getattr(decoder, "max_position_embeddings", 2048))
         head_dim = (getattr(decoder, "head_dim", None)
                     or decoder.hidden_size // decoder.num_attention_heads)
-        bytes_per_token = (2 * decoder.num_hidden_layers * decoder.num_key_value_heads
-                           * head_dim * torch.finfo(getattr(torch, kv_dtype)).bits // 8)
+        bytes_per_token = kv_budget.kv_bytes_per_token(
+            decoder.num_hidden_layers, decoder.num_key_value_heads, head_dim,
+            torch.finfo(getattr(torch, kv_dtype)).bits // 8)
         shape = kv_budget.BlockShape(bytes_per_token * config.block_size,
                                      -(-max_len // config.block_size), config.max_num_seqs)
         kv_gib = kv_budget.cache_gib(config.kv_cache_gib, on_gpu)

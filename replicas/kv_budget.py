@@ -24,6 +24,11 @@ class BlockShape:
         return max(self.blocks_per_seq, min(blocks, self.blocks_per_seq * self.max_num_seqs))
 
 
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, elem_bytes: int) -> int:
+    """Every layer's K and V for one token, over `kv_heads` heads (one shard's at tp > 1)."""
+    return 2 * layers * kv_heads * head_dim * elem_bytes
+
+
 def cache_gib(asked: float | None, on_gpu: bool) -> float | None:
     """The size in GiB a replica's cache takes: `--kv-cache-gib` where given (0: the least, one
     full-length sequence), else CPU_KV_CACHE_GIB on CPUs; None: from the GPU's memory."""

@@ -161,8 +161,8 @@ class ShardWorker:
             raise ValueError("a CPU shard's KV cache is sized in GiB (num_blocks > 0)")
         width = torch.finfo(dtype).bits // 8
         shape = kv_budget.BlockShape(
-            2 * decoder.num_hidden_layers * kv_heads * head_dim * config.block_size
-            * (torch.finfo(kv_dtype).bits // 8),
+            kv_budget.kv_bytes_per_token(decoder.num_hidden_layers, kv_heads, head_dim,
+                                         torch.finfo(kv_dtype).bits // 8) * config.block_size,
             -(-config.max_model_len // config.block_size), config.max_num_seqs)
         heads = decoder.num_attention_heads // config.tp_size
         reserve = kv_budget.activation_reserve(

@@ -649,8 +649,8 @@ def llama_layers(layers: ctypes.Array, shape: LlamaShape, x: torch.Tensor, cos: 
     out, residual = torch.empty_like(x), torch.empty_like(x)
     name = "llama_layers_q" if shape.quantized else {
         torch.bfloat16: "llama_layers_bf16", torch.float32: "llama_layers_f32"}[x.dtype]
-    if shape.bf16_cache:
-        name += "_bf16kv"  # (float32 activations only: _layer_table's check)
+    # (a bf16 cache under float32 activations only: _layer_table's check)
+    name += _CACHE_PAIRS[x.dtype, torch.bfloat16 if shape.bf16_cache else x.dtype]
     failed = _kernel(name)(
         layers, len(layers), x.data_ptr(), out.data_ptr(), residual.data_ptr(), x.shape[0],
         shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.inter, shape.eps,

@@ -346,20 +346,20 @@ KERNEL_INLINE void widen(const uint16_t *p, vf *w0, vf *w1) {
 FLOAT_TILE(mixed_tile, uint16_t, widen)
 PANEL_ROWS(mixed_panel_rows, mixed_tile, uint16_t)
 
-/* Rows m0 .. m0+MT (1 or 2) of x against G adjacent panels at once, from panel `first`. One
+/* The MT rows (1 or 2) of x against G adjacent panels at once, from panel `first`. One
    panel gives a row two accumulators, two chains of FMAs that cannot cover the FMA's latency (4
    cycles, 2 a cycle: 8 chains), so a lone row ran at the chains' pace rather than memory's: G
    panels give 2 MT G. Each column's sum runs over k in mixed_tile's order, so a row's bits are
    the same alone as in a batch. */
 KERNEL_INLINE void mixed_group(const float *x, const uint16_t *w, const float *bias, float *y,
-                               int64_t N, int64_t K, int64_t m0, int64_t first, int MT, int G) {
+                               int64_t N, int64_t K, int64_t first, int MT, int G) {
     const int64_t panel_size = K * PANEL_MIXED;
     const uint16_t *panel = w + first * panel_size;
     vf acc[4][2][2];
     for (int j = 0; j < G; j++)
         for (int i = 0; i < MT; i++) acc[j][i][0] = acc[j][i][1] = (vf){0};
     const float *xr[8];
-    for (int i = 0; i < MT; i++) xr[i] = x + (m0 + i) * K;
+    for (int i = 0; i < MT; i++) xr[i] = x + i * K;
     for (int64_t k = 0; k < K; k++)
         for (int j = 0; j < G; j++) {
             vf w0, w1;
@@ -367,7 +367,7 @@ KERNEL_INLINE void mixed_group(const float *x, const uint16_t *w, const float *b
             add_rows(acc[j], xr, k, w0, w1, MT);
         }
     for (int j = 0; j < G; j++)
-        store_rows(acc[j], bias, y, N, m0, (first + j) * PANEL_MIXED, MT);
+        store_rows(acc[j], bias, y, N, 0, (first + j) * PANEL_MIXED, MT);
 }
 
 /* the rows of a call of at most GROUP_ROWS rows over G = GROUP(M) panels at a time from `first`
@@ -379,7 +379,7 @@ KERNEL_INLINE void mixed_group(const float *x, const uint16_t *w, const float *b
 static void mixed_groups(const float *x, const uint16_t *w, const float *bias, float *y,
                          int64_t M, int64_t N, int64_t K, int64_t first, int64_t panels) {
     const int64_t g = panels - first < GROUP(M) ? panels - first : GROUP(M);
-#define MIXED_GROUP(MT, G) mixed_group(x, w, bias, y, N, K, 0, first, MT, G)
+#define MIXED_GROUP(MT, G) mixed_group(x, w, bias, y, N, K, first, MT, G)
     switch (M * 8 + g) {
         case 8 + 4: MIXED_GROUP(1, 4); break;
         case 8 + 3: MIXED_GROUP(1, 3); break;
@@ -417,7 +417,7 @@ int linear_mixed(const void *x, const void *w, const void *bias, void *y, int64_
             mixed_panel_rows(xs, ws + t * panel_size, bs, ys, 0, M, N, K, t * PANEL_MIXED,
                              after < panels ? ws + after * panel_size : NULL, lines);
     } else {
-        /* one row, a few (streamed), or prefill's row blocks: there a thread's static share
+        /* a few rows (streamed), or prefill's row blocks: there a thread's static share
            goes panel after panel, and the next is asked for meanwhile (the same bench: 64 rows
            78% -> 82-90%, 128 85% -> 90-92%, 512 unchanged) */
         for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {

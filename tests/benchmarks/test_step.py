@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 
+import psutil
+import pytest
+
 from benchmarks import step
+from benchmarks.interference import Interferers
 
 
 def test_step_times_each_batch_and_its_bound(tmp_path) -> None:
@@ -46,3 +51,25 @@ def test_runs_without_ray_or_the_serving_stack() -> None:
             "print(sorted(m for m in ('ray', 'fastapi', 'outlines') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_interferers_take_their_share_beside_the_step_and_are_gone_after(tmp_path) -> None:
+    parser = argparse.ArgumentParser()
+    step.add_cli_args(parser)
+    args = parser.parse_args(["--model", "shardserve/tiny-llama", "--batch-sizes", "1",
+                              "--context", "40", "--repeats", "6", "--interferers", "2",
+                              "--interferer-burst-us", "2000", "--interferer-period-us", "4000",
+                              "--result-json", str(tmp_path / "r.json")])
+    before = {p.pid for p in psutil.Process().children()}
+    assert step.run_cli(args) == 0
+    one = json.loads((tmp_path / "r.json").read_text())["steps"]["1"]
+    # two processes busy half the time: about one core's worth while they ran
+    assert 0.1 < one["interferers_share"] * (os.cpu_count() or 1) < 1.5
+    assert one["beside_interferers_median_ms"] > 0 and one["beside_over_alone"] > 0
+    assert one["loss_over_share"] is not None
+    assert {p.pid for p in psutil.Process().children()} <= before
+
+
+def test_interferers_refuse_a_burst_longer_than_their_period() -> None:
+    with pytest.raises(ValueError, match="shorter than its period"):
+        Interferers(1, 0.002, 0.001)

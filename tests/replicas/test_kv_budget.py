@@ -71,3 +71,8 @@ def test_the_engine_sizes_its_cache_by_the_rule_where_it_runs() -> None:
     # 0.01 GiB of this model's per-token K and V, in whole 16-token blocks
     tokens = _cache_tokens(max_num_seqs=64, kv_cache_gib=0.01)
     assert 128 < tokens < 64 * 128 and tokens % 16 == 0
+
+
+def test_a_tokens_kv_bytes_are_every_layers_keys_and_values() -> None:
+    # bench-135m: 30 layers, 3 KV heads of 64, a bf16 cache
+    assert kv_budget.kv_bytes_per_token(30, 3, 64, 2) == 2 * 30 * 3 * 64 * 2 == 23_040
